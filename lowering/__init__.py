@@ -1,0 +1,28 @@
+"""sparse_fx.lowering: the custom ops, their torch references and their Triton kernels.
+
+Imports nothing else of sparse_fx; the compiler pass inserts these ops, the runtime sizes their caches.
+"""
+
+from . import reference
+from .ops import (
+    hamming_scores,
+    int2_scores,
+    int2_write,
+    mass_scores,
+    pack_signs,
+    select_topk,
+    signature_write,
+    sparse_decode_attention,
+)
+
+__all__ = [
+    "reference",
+    "hamming_scores",
+    "int2_scores",
+    "int2_write",
+    "mass_scores",
+    "pack_signs",
+    "select_topk",
+    "signature_write",
+    "sparse_decode_attention",
+]

@@ -1,0 +1,130 @@
+"""The sparse_fx operators, registered with torch.library as `triton_op`s (namespace `sparse_fx`).
+
+Each op's body picks its implementation from the device: Triton kernels launched through
+`wrap_triton` on CUDA (Inductor then emits their source into its generated code), the reference in
+`reference.py` elsewhere. The body is also the op's fake implementation, so it touches shapes only.
+See `reference.py` for the exact semantics and shapes of every op.
+"""
+
+from typing import Optional
+
+import torch
+from torch.library import triton_op
+
+from . import reference as ref
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"sparse_fx: {msg}")
+
+
+def _check_gqa(q: torch.Tensor, k: torch.Tensor, what: str) -> None:
+    _check(q.dim() == 4 and q.shape[2] == 1, f"{what}: q must be [B, Hq, 1, D] (one decode query), got {tuple(q.shape)}")
+    _check(k.dim() == 4, f"{what}: k must be [B, Hkv, L, D], got {tuple(k.shape)}")
+    _check(q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
+    _check(q.shape[1] % k.shape[1] == 0, f"{what}: query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+
+
+def _check_mask(mask: Optional[torch.Tensor], q: torch.Tensor, length: int, what: str) -> None:
+    if mask is None:
+        return
+    ok = (
+        mask.dim() == 4
+        and mask.shape[0] in (1, q.shape[0])
+        and mask.shape[1] in (1, q.shape[1])
+        and mask.shape[2] == 1
+        and mask.shape[3] == length
+    )
+    _check(ok, f"{what}: mask must be [B|1, 1|Hq, 1, L] = [{q.shape[0]}|1, 1|{q.shape[1]}, 1, {length}], got {tuple(mask.shape)}")
+    _check(mask.dtype == torch.bool or mask.is_floating_point(), f"{what}: mask must be bool or float, got {mask.dtype}")
+
+
+@triton_op("sparse_fx::sparse_decode_attention", mutates_args=())
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Softmax attention of q [B,Hq,1,D] over the positions `indices` [B,Hkv,K] (-1 = empty) of
+    k/v [B,Hkv,L,D]; query head h reads KV head h // (Hq // Hkv). Returns [B,Hq,1,Dv]."""
+    _check_gqa(q, k, "sparse_decode_attention")
+    _check(v.shape[:3] == k.shape[:3], f"sparse_decode_attention: v {tuple(v.shape)} must match k {tuple(k.shape)} in [B, Hkv, L]")
+    _check(
+        indices.dim() == 3 and indices.shape[:2] == k.shape[:2],
+        f"sparse_decode_attention: indices must be [B, Hkv, K] = [{k.shape[0]}, {k.shape[1]}, K], got {tuple(indices.shape)}",
+    )
+    _check(not indices.is_floating_point(), f"sparse_decode_attention: indices must be integer, got {indices.dtype}")
+    _check_mask(mask, q, k.shape[2], "sparse_decode_attention")
+    return ref.sparse_decode_attention(q, k, v, indices, scale, mask)
+
+
+@triton_op("sparse_fx::pack_signs", mutates_args=())
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """[..., 32W] float -> [..., W] int32 sign bits (bit set iff x > 0)."""
+    _check(x.shape[-1] % ref.WORD_BITS == 0, f"pack_signs: last dim must be a multiple of 32, got {x.shape[-1]}")
+    return ref.pack_signs(x)
+
+
+@triton_op("sparse_fx::hamming_scores", mutates_args=())
+def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
+    """q_sig [B,Hq,W], k_sig [B,Hkv,L,W] -> [B,Hkv,L] int32: 32W - Hamming, summed over each KV head's query heads."""
+    _check(q_sig.dim() == 3 and k_sig.dim() == 4, "hamming_scores: q_sig must be [B, Hq, W] and k_sig [B, Hkv, L, W]")
+    _check(q_sig.shape[1] % k_sig.shape[1] == 0 and q_sig.shape[2] == k_sig.shape[3], "hamming_scores: head counts or words disagree")
+    return ref.hamming_scores(q_sig, k_sig)
+
+
+@triton_op("sparse_fx::signature_write", mutates_args={"cache"})
+def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor, reset: bool = False) -> None:
+    """cache[:, :, pos] = pack_signs(logits): cache [B,H,L,W] int32, logits [B,H,T,32W], pos [T]."""
+    _check(logits.shape[-1] == cache.shape[-1] * ref.WORD_BITS, "signature_write: logits width must be 32 x the cache's words")
+    ref.signature_write(cache, logits, pos, reset)
+
+
+@triton_op("sparse_fx::int2_write", mutates_args={"codes", "scale", "zero"})
+def int2_write(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, reset: bool = False
+) -> None:
+    """Quantise k [B,H,T,D] to INT2 and write codes/scale/zero at positions pos [T]."""
+    _check(k.shape[-1] % scale.shape[-1] == 0 and codes.shape[-1] * ref.INT2_CODES_PER_WORD == k.shape[-1], "int2_write: cache widths do not match the head dim")
+    ref.int2_write(codes, scale, zero, k, pos, reset)
+
+
+@triton_op("sparse_fx::int2_scores", mutates_args=())
+def int2_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Prism proposal scores [B,Hkv,L] float32: max over the group of <q, INT2 key>."""
+    _check(q.dim() == 4 and q.shape[2] == 1 and q.shape[1] % codes.shape[1] == 0, "int2_scores: q must be [B, Hq, 1, D] with Hq a multiple of Hkv")
+    return ref.int2_scores(q, codes, scale, zero)
+
+
+@triton_op("sparse_fx::mass_scores", mutates_args=())
+def mass_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention mass per candidate [B,Hkv,N] float32 (all L slots, or `positions` [B,Hkv,N])."""
+    _check_gqa(q, k, "mass_scores")
+    _check_mask(mask, q, k.shape[2], "mass_scores")
+    return ref.mass_scores(q, k, scale, mask, positions)
+
+
+@triton_op("sparse_fx::select_topk", mutates_args=())
+def select_topk(
+    scores: torch.Tensor,
+    pos: torch.Tensor,
+    k: int,
+    sink: int,
+    local: int,
+    mask: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """[B,Hkv,sink+local+k] int32 positions: sink, local window, then top-k candidates (-1 empty)."""
+    _check(k > 0 and sink >= 0 and local >= 0, f"select_topk: need k > 0, sink >= 0, local >= 0 (got {k}, {sink}, {local})")
+    _check(positions is None or positions.shape == scores.shape, "select_topk: positions must have the shape of scores")
+    return ref.select_topk(scores, pos, k, sink, local, mask, positions)

@@ -1,0 +1,294 @@
+"""Reference implementations of every sparse_fx op, in plain torch.
+
+They define correctness: the ops run them on CPU, the Triton kernels are tested against them, and
+they must stay traceable (no `.item()`, no data-dependent shapes) because `triton_op` uses an op's
+body as its fake implementation and Inductor traces it.
+
+Shapes, used throughout: B batch, Hq query heads, Hkv KV heads (G = Hq // Hkv query heads share a
+KV head, query head h reads KV head h // G), L cache slots, D head dim, T new tokens, K selected
+slots. Index tensors hold cache positions, -1 marking an empty slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORD_BITS = 32
+INT2_CODES_PER_WORD = 16
+
+
+# ----------------------------------------------------------------------------------------- masks
+def valid_positions(
+    mask: torch.Tensor | None, batch: int, kv_heads: int, length: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """[B, Hkv, L] bool: where an SDPA attention mask lets at least one query head of a KV head read.
+
+    `mask` is SDPA's `attn_mask` for one query, `[B|1, 1|Hq, 1, L]`: boolean (True = attend) or
+    additive float (a value at or below half the dtype's minimum, or -inf, means masked).
+    """
+    if mask is None:
+        return torch.ones(batch, kv_heads, length, dtype=torch.bool, device=device)
+    ok = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    ok = ok[:, :, 0, :]  # [B|1, 1|Hq, L]
+    if ok.shape[1] != 1:
+        ok = ok.reshape(ok.shape[0], kv_heads, -1, length).any(2)
+    return ok.expand(batch, kv_heads, length)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+# ---------------------------------------------------------------------------- gather-attention
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention of one query restricted to the indexed cache positions.
+
+    q [B,Hq,1,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], indices [B,Hkv,K] (distinct positions, -1 empty),
+    mask [B|1,1|Hq,1,L] additive or boolean. Returns [B,Hq,1,Dv] in q's dtype; a head whose
+    selection is empty (or fully masked) returns zeros.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = D**-0.5 if scale is None else scale
+    present = indices >= 0
+    idx = indices.clamp(min=0).long()  # [B,Hkv,K]
+    kg = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, D)).to(acc)
+    vg = torch.gather(v, 2, idx[..., None].expand(-1, -1, -1, v.shape[-1])).to(acc)
+    qg = q.reshape(B, Hkv, G, D).to(acc)
+    logits = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B,Hkv,G,K]
+    bias = torch.zeros_like(logits).masked_fill(~present[:, :, None, :], float("-inf"))
+    if mask is not None:
+        m = _additive(mask, acc)[:, :, 0, :].expand(B, Hq, L).reshape(B, Hkv, G, L)
+        bias = bias + torch.gather(m, 3, idx[:, :, None, :].expand(-1, -1, G, -1))
+    logits = logits + bias
+    peak = logits.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w = torch.exp(logits - peak)
+    denom = w.sum(-1, keepdim=True)
+    out = torch.matmul(w, vg) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.reshape(B, Hq, 1, v.shape[-1]).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------ signatures
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """[..., bits] float -> [..., bits/32] int32; bit j of word w is set iff x[..., 32w + j] > 0.
+
+    This is HashAttention's ReLU(sign(F(x))) packed into machine words.
+    """
+    *lead, bits = x.shape
+    b = (x > 0).reshape(*lead, bits // WORD_BITS, WORD_BITS).to(torch.int64)
+    weights = torch.ones(WORD_BITS, dtype=torch.int64, device=x.device) << torch.arange(
+        WORD_BITS, dtype=torch.int64, device=x.device
+    )
+    words = (b * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def popcount32(x: torch.Tensor) -> torch.Tensor:
+    """Bits set in each 32-bit word (SWAR, in int64 so the sign bit is an ordinary bit)."""
+    x = x.to(torch.int64) & 0xFFFFFFFF
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) & 0xFFFFFFFF) >> 24
+
+
+def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
+    """Similarity (bits - Hamming distance), summed over the query heads of each KV head.
+
+    q_sig [B,Hq,W] int32, k_sig [B,Hkv,L,W] int32 -> [B,Hkv,L] int32 in [0, G*32*W].
+    """
+    B, Hq, W = q_sig.shape
+    Hkv = k_sig.shape[1]
+    qg = q_sig.reshape(B, Hkv, Hq // Hkv, 1, W)
+    dist = popcount32(qg ^ k_sig[:, :, None]).sum(-1)  # [B,Hkv,G,L]
+    return ((W * WORD_BITS - dist).sum(2)).to(torch.int32)
+
+
+def signature_write(
+    cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor, reset: bool = False
+) -> None:
+    """cache[:, :, pos] = pack_signs(logits); cache [B,H,L,W], logits [B,H,T,32W], pos [T].
+
+    With `reset` (prefill graphs), a write that starts at position 0 begins a new sequence and
+    also clears every slot after the last written one.
+    """
+    cache.index_copy_(2, pos, pack_signs(logits))
+    if reset:
+        _clear_after(cache, pos)
+
+
+def _clear_after(cache: torch.Tensor, pos: torch.Tensor) -> None:
+    slots = torch.arange(cache.shape[2], device=cache.device)
+    stale = (slots > pos[-1]) & (pos[0] == 0)
+    cache.masked_fill_(stale[None, None, :, None], 0)
+
+
+# -------------------------------------------------------------------------------------- INT2
+def int2_quantize(
+    k: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric 2-bit quantisation along the head dim (Prism).
+
+    k [..., D] -> codes [..., D/16] int32 (channel c at bits 2(c%16) of word c//16),
+    scale and zero [..., D/group] in `scale_dtype`: k ~ zero + scale * code, code in 0..3. The
+    codes are computed from the stored (rounded) scale and zero, so the round-trip error is at
+    most half a step of the stored scale.
+    """
+    *lead, D = k.shape
+    kg = k.float().reshape(*lead, D // group, group)
+    lo, hi = kg.amin(-1), kg.amax(-1)
+    scale = ((hi - lo) / 3).to(scale_dtype)
+    zero = lo.to(scale_dtype)
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    codes = torch.where(s > 0, torch.round((kg - z) / torch.where(s > 0, s, 1.0)), 0.0)
+    codes = codes.clamp(0, 3).to(torch.int64).reshape(*lead, D // INT2_CODES_PER_WORD, INT2_CODES_PER_WORD)
+    shifts = 2 * torch.arange(INT2_CODES_PER_WORD, dtype=torch.int64, device=k.device)
+    words = (codes << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words, scale, zero
+
+
+def int2_unpack(codes: torch.Tensor) -> torch.Tensor:
+    """[..., D/16] int32 -> [..., D] int64 codes in 0..3."""
+    shifts = 2 * torch.arange(INT2_CODES_PER_WORD, dtype=torch.int64, device=codes.device)
+    c = (codes.to(torch.int64)[..., None] >> shifts) & 3
+    return c.reshape(*codes.shape[:-1], codes.shape[-1] * INT2_CODES_PER_WORD)
+
+
+def int2_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int2_quantize`, in float32: [..., D]."""
+    c = int2_unpack(codes).float()
+    D, M = c.shape[-1], scale.shape[-1]
+    k = zero.float()[..., None] + scale.float()[..., None] * c.reshape(*c.shape[:-1], M, D // M)
+    return k.reshape(*c.shape)
+
+
+def int2_write(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    k: torch.Tensor,
+    pos: torch.Tensor,
+    reset: bool = False,
+) -> None:
+    """Quantise the new keys k [B,H,T,D] and write them at `pos` [T] (see `signature_write`)."""
+    group = k.shape[-1] // scale.shape[-1]
+    c, s, z = int2_quantize(k, group, scale.dtype)
+    codes.index_copy_(2, pos, c)
+    scale.index_copy_(2, pos, s)
+    zero.index_copy_(2, pos, z)
+    if reset:
+        for t in (codes, scale, zero):
+            _clear_after(t, pos)
+
+
+def int2_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Prism proposal score: max over a KV head's query heads of <q, dequantised k>.
+
+    q [B,Hq,1,D], codes [B,Hkv,L,D/16], scale/zero [B,Hkv,L,D/g] -> [B,Hkv,L] float32.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = codes.shape[1]
+    kd = int2_dequantize(codes, scale, zero)  # [B,Hkv,L,D]
+    qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
+    return torch.matmul(qg, kd.transpose(-1, -2)).amax(2)
+
+
+# --------------------------------------------------------------------------- exact scores
+def mass_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention mass: sum over a KV head's query heads of each candidate's softmax weight.
+
+    The softmax runs over the candidates (all L slots, or `positions` [B,Hkv,N]) that the mask
+    leaves readable; per-head normalisation keeps a sharp head from drowning a flat one, and the
+    sum is the attention mass the shared selection keeps. Used by the oracle (all slots) and by
+    Prism refined layers (the pool). Returns [B,Hkv,N] float32, 0 where not a candidate.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    if positions is None:
+        kc = k
+        readable = valid_positions(mask, B, Hkv, L, q.device)
+    else:
+        idx = positions.clamp(min=0).long()
+        kc = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, D))
+        readable = (positions >= 0) & torch.gather(valid_positions(mask, B, Hkv, L, q.device), 2, idx)
+    logits = torch.matmul(q.reshape(B, Hkv, G, D).float(), kc.float().transpose(-1, -2)) * scale
+    if mask is not None and mask.dtype != torch.bool:
+        m = mask.float()[:, :, 0, :].expand(B, Hq, L).reshape(B, Hkv, G, L)
+        if positions is not None:
+            m = torch.gather(m, 3, idx[:, :, None, :].expand(-1, -1, G, -1))
+        logits = logits + m
+    logits = logits.masked_fill(~readable[:, :, None, :], float("-inf"))
+    peak = logits.amax(-1, keepdim=True)
+    w = torch.exp(logits - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
+    w = w / w.sum(-1, keepdim=True).clamp(min=1e-30)
+    return w.sum(2)
+
+
+# ------------------------------------------------------------------------------ selection
+def select_topk(
+    scores: torch.Tensor,
+    pos: torch.Tensor,
+    k: int,
+    sink: int,
+    local: int,
+    mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Choose the cache positions one decode query attends to, per KV head.
+
+    scores [B,Hkv,N] (float or int, larger is better) rate candidate positions: slot i is
+    position i, or positions[..., i] when given ([B,Hkv,N], -1 = no candidate). pos [T] holds
+    the positions written this step; pos[-1] is the query's own position. mask: SDPA's
+    attn_mask [B|1,1|Hq,1,L] or None.
+
+    Returns [B,Hkv, sink + local + k] int32: slots [0,sink) the sink positions 0..sink-1, slots
+    [sink, sink+local) the local window pos-local+1..pos, then the top-k candidates outside both.
+    A position is never masked, never after pos[-1] and never repeated; unfilled slots are -1.
+    """
+    B, Hkv, N = scores.shape
+    dev = scores.device
+    now = pos[-1]
+    L = mask.shape[-1] if mask is not None else None
+    window = torch.cat(
+        [
+            torch.arange(sink, device=dev),
+            now - local + 1 + torch.arange(local, device=dev),
+        ]
+    ).expand(B, Hkv, sink + local)
+    in_sink = torch.arange(sink + local, device=dev) < sink
+    window_ok = (window >= 0) & (window <= now) & (in_sink | (window >= sink))
+    cand = torch.arange(N, device=dev).expand(B, Hkv, N) if positions is None else positions.long()
+    eligible = (cand >= sink) & (cand <= now - local) & (cand >= 0)
+    if L is not None:
+        ok = valid_positions(mask, B, Hkv, L)
+        window_ok = window_ok & torch.gather(ok, 2, window.clamp(0, L - 1))
+        eligible = eligible & torch.gather(ok, 2, cand.clamp(0, L - 1))
+    window = torch.where(window_ok, window, -1)
+    kk = min(k, N)
+    ranked = torch.where(eligible, scores.float(), float("-inf"))
+    top, slot = torch.topk(ranked, kk, dim=-1)
+    chosen = torch.where(top > float("-inf"), torch.gather(cand, 2, slot), -1)
+    if kk < k:
+        chosen = torch.cat([chosen, chosen.new_full((B, Hkv, k - kk), -1)], dim=-1)
+    return torch.cat([window, chosen], dim=-1).to(torch.int32)

@@ -1,0 +1,150 @@
+"""`sparse_fx.compile`: hand a Hugging Face decoder to torch.compile with our rewriting backend."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .explain import Report
+from .plan import Plan
+from .rewrite import rewrite
+from .runtime.state import Encoders
+from .state import GraphReport, ModelInfo, SparseState
+
+BACKENDS = ("inductor", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile(  # noqa: A001 - the one-call API mirrors torch.compile
+    model: torch.nn.Module,
+    plan: str | Plan = "prism-g4",
+    *,
+    encoders=None,
+    backend: str = "inductor",
+    mode: str | None = None,
+    strict: bool = False,
+    **plan_options,
+) -> torch.nn.Module:
+    """Make `model`'s decode attention sparse; returns the same model, its forward compiled.
+
+    plan: a name (dense, oracle, hash, prism-g<G>, static-g<G>), a `Plan` or a plan JSON file;
+    plan_options override its fields (budget, sink, local, rho, int2_group, bits, ...).
+    encoders: trained signature encoders (object or path) for the hash plan; LSH without them.
+    backend: "inductor" (default) compiles the rewritten graph; "eager" runs it as is (debugging,
+    and fast CPU tests). mode: Inductor mode; default "reduce-overhead" (CUDA graphs) on CUDA.
+    strict: raise instead of leaving any attention the plan wants sparse dense.
+
+    Works with a StaticCache (`generate(..., cache_implementation="static")` or your own
+    `StaticCache`): prefill stays dense and fills the side caches, decode steps run sparse.
+    `sparse_fx.explain(model)` shows every attention and what became of it.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"sparse_fx: unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"sparse_fx: unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"sparse_fx: expected a torch.nn.Module, got {type(model).__name__}")
+    if model.training:
+        raise ValueError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval() first")
+    plan = Plan.parse(plan, **plan_options)
+    if encoders is not None and plan.method != "hash":
+        raise ValueError(f"sparse_fx: encoders only apply to the hash plan, not {plan.name!r}")
+    info = ModelInfo.of(model)
+    info.check_plan(plan)
+    trained = _load_encoders(encoders, model, plan) if encoders is not None else None
+    state = SparseState(
+        plan=plan,
+        info=info,
+        encoders=Encoders(plan.bits, plan.seed, trained),
+        backend=backend,
+        mode=mode,
+        strict=strict,
+    )
+    previous = model.__dict__.get("forward")
+    original = previous.original if isinstance(previous, SparseForward) else model.forward
+    compiled = torch.compile(original, backend=_backend(state), fullgraph=True)
+    model.forward = SparseForward(model, original, compiled, state)
+    if getattr(model, "generation_config", None) is not None:
+        # We are the one compile: Hugging Face's generate() must not wrap this forward again.
+        model.generation_config.disable_compile = True
+    return model
+
+
+def explain(model: torch.nn.Module) -> Report:
+    """Every SDPA node of the model's compiled graphs: layer, call form, role, decision, budget,
+    side-cache bytes. Before the first decode step it traces one on a tiny StaticCache."""
+    state = sparse_state(model)
+    decode = [r for r in state.reports if r.kind == "decode"]
+    prefill = [r for r in state.reports if r.kind == "prefill"]
+    if decode:
+        return Report(state.plan, state.info, decode[-1], prefill[-1] if prefill else None, state.side_caches.nbytes())
+    return Report(state.plan, state.info, _trace_decode(model, state), None, 0, traced=True)
+
+
+def sparse_state(model: torch.nn.Module) -> SparseState:
+    forward = model.__dict__.get("forward")
+    if not isinstance(forward, SparseForward):
+        raise ValueError("sparse_fx: this model was not compiled with sparse_fx.compile(model, plan=...)")
+    return forward.state
+
+
+class SparseForward:
+    """`model.forward` after `sparse_fx.compile`: every call goes through the compiled graphs."""
+
+    def __init__(self, model: torch.nn.Module, original, compiled, state: SparseState):
+        functools.update_wrapper(self, original)  # generate() inspects forward's signature
+        self.model, self.original, self.compiled, self.state = model, original, compiled, state
+
+    def __call__(self, *args, **kwargs):
+        if self.model.training:
+            raise RuntimeError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval()")
+        _mark_prefill_dynamic(args, kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+def _mark_prefill_dynamic(args, kwargs) -> None:
+    """One prefill graph for every prompt length: a multi-token call's sequence dims are dynamic."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] > 1):
+        return
+    for t in (ids, kwargs.get("attention_mask"), kwargs.get("position_ids")):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+def _backend(state: SparseState):
+    def sparse_fx_backend(gm: torch.fx.GraphModule, example_inputs):
+        rewrite(gm, state)
+        if state.backend == "eager":
+            return gm.forward
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        mode = state.mode or ("reduce-overhead" if _on_cuda(example_inputs) else "default")
+        return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode))
+
+    return sparse_fx_backend
+
+
+def _on_cuda(example_inputs) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def _trace_decode(model: torch.nn.Module, state: SparseState) -> GraphReport:
+    """Trace one decode step on a throwaway StaticCache and state (rewritten graph run eagerly)."""
+    from transformers import StaticCache
+
+    probe = SparseState(plan=state.plan, info=state.info, encoders=state.encoders, backend="eager")
+    length = state.plan.window + state.plan.pool + 2
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.no_grad():
+        torch.compile(model.forward.original, backend=_backend(probe), fullgraph=True)(ids, past_key_values=cache)
+    return probe.reports[-1]
+
+
+def _load_encoders(encoders, model, plan):
+    raise ValueError("sparse_fx: trained signature encoders are not available yet; use plan='hash' without encoders (LSH)")
