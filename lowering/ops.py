@@ -14,6 +14,13 @@ from torch.library import triton_op
 from . import reference as ref
 
 
+def _kernels():
+    """The Triton launchers, imported on first CUDA use (a CPU-only install may lack triton)."""
+    from . import kernels
+
+    return kernels
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(f"sparse_fx: {msg}")
@@ -59,6 +66,8 @@ def sparse_decode_attention(
     )
     _check(not indices.is_floating_point(), f"sparse_decode_attention: indices must be integer, got {indices.dtype}")
     _check_mask(mask, q, k.shape[2], "sparse_decode_attention")
+    if q.is_cuda and _kernels().sparse_decode_attention_supported(q, k, v, indices, scale, mask):
+        return _kernels().sparse_decode_attention(q, k, v, indices, scale, mask)
     return ref.sparse_decode_attention(q, k, v, indices, scale, mask)
 
 
@@ -66,6 +75,8 @@ def sparse_decode_attention(
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """[..., 32W] float -> [..., W] int32 sign bits (bit set iff x > 0)."""
     _check(x.shape[-1] % ref.WORD_BITS == 0, f"pack_signs: last dim must be a multiple of 32, got {x.shape[-1]}")
+    if x.is_cuda and _kernels().pack_signs_supported(x):
+        return _kernels().pack_signs(x)
     return ref.pack_signs(x)
 
 
@@ -74,6 +85,8 @@ def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
     """q_sig [B,Hq,W], k_sig [B,Hkv,L,W] -> [B,Hkv,L] int32: 32W - Hamming, summed over each KV head's query heads."""
     _check(q_sig.dim() == 3 and k_sig.dim() == 4, "hamming_scores: q_sig must be [B, Hq, W] and k_sig [B, Hkv, L, W]")
     _check(q_sig.shape[1] % k_sig.shape[1] == 0 and q_sig.shape[2] == k_sig.shape[3], "hamming_scores: head counts or words disagree")
+    if k_sig.is_cuda and _kernels().hamming_scores_supported(q_sig, k_sig):
+        return _kernels().hamming_scores(q_sig, k_sig)
     return ref.hamming_scores(q_sig, k_sig)
 
 
@@ -81,7 +94,10 @@ def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
 def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor, reset: bool = False) -> None:
     """cache[:, :, pos] = pack_signs(logits): cache [B,H,L,W] int32, logits [B,H,T,32W], pos [T]."""
     _check(logits.shape[-1] == cache.shape[-1] * ref.WORD_BITS, "signature_write: logits width must be 32 x the cache's words")
-    ref.signature_write(cache, logits, pos, reset)
+    if cache.is_cuda and _kernels().signature_write_supported(cache, logits, pos):
+        _kernels().signature_write(cache, logits, pos, reset)
+    else:
+        ref.signature_write(cache, logits, pos, reset)
 
 
 @triton_op("sparse_fx::int2_write", mutates_args={"codes", "scale", "zero"})
@@ -90,13 +106,18 @@ def int2_write(
 ) -> None:
     """Quantise k [B,H,T,D] to INT2 and write codes/scale/zero at positions pos [T]."""
     _check(k.shape[-1] % scale.shape[-1] == 0 and codes.shape[-1] * ref.INT2_CODES_PER_WORD == k.shape[-1], "int2_write: cache widths do not match the head dim")
-    ref.int2_write(codes, scale, zero, k, pos, reset)
+    if codes.is_cuda and _kernels().int2_write_supported(codes, scale, zero, k, pos):
+        _kernels().int2_write(codes, scale, zero, k, pos, reset)
+    else:
+        ref.int2_write(codes, scale, zero, k, pos, reset)
 
 
 @triton_op("sparse_fx::int2_scores", mutates_args=())
 def int2_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """Prism proposal scores [B,Hkv,L] float32: max over the group of <q, INT2 key>."""
     _check(q.dim() == 4 and q.shape[2] == 1 and q.shape[1] % codes.shape[1] == 0, "int2_scores: q must be [B, Hq, 1, D] with Hq a multiple of Hkv")
+    if q.is_cuda and _kernels().int2_scores_supported(q, codes, scale, zero):
+        return _kernels().int2_scores(q, codes, scale, zero)
     return ref.int2_scores(q, codes, scale, zero)
 
 
@@ -111,6 +132,8 @@ def mass_scores(
     """Attention mass per candidate [B,Hkv,N] float32 (all L slots, or `positions` [B,Hkv,N])."""
     _check_gqa(q, k, "mass_scores")
     _check_mask(mask, q, k.shape[2], "mass_scores")
+    if q.is_cuda and _kernels().mass_scores_supported(q, k, scale, mask, positions):
+        return _kernels().mass_scores(q, k, scale, mask, positions)
     return ref.mass_scores(q, k, scale, mask, positions)
 
 
@@ -127,4 +150,6 @@ def select_topk(
     """[B,Hkv,sink+local+k] int32 positions: sink, local window, then top-k candidates (-1 empty)."""
     _check(k > 0 and sink >= 0 and local >= 0, f"select_topk: need k > 0, sink >= 0, local >= 0 (got {k}, {sink}, {local})")
     _check(positions is None or positions.shape == scores.shape, "select_topk: positions must have the shape of scores")
+    if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, positions):
+        return _kernels().select_topk(scores, pos, k, sink, local, mask, positions)
     return ref.select_topk(scores, pos, k, sink, local, mask, positions)

@@ -63,7 +63,7 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     )
     previous = model.__dict__.get("forward")
     original = previous.original if isinstance(previous, SparseForward) else model.forward
-    compiled = torch.compile(original, backend=_backend(state), fullgraph=True)
+    compiled = torch.compile(_own_frame(original), backend=_backend(state), fullgraph=True)
     model.forward = SparseForward(model, original, compiled, state)
     if getattr(model, "generation_config", None) is not None:
         # We are the one compile: Hugging Face's generate() must not wrap this forward again.
@@ -129,6 +129,21 @@ def _backend(state: SparseState):
     return sparse_fx_backend
 
 
+def _own_frame(fn):
+    """`fn` behind a trampoline with a code object of its own.
+
+    Dynamo keeps its compiled graphs, and counts recompiles against its limit, per code object.
+    Hugging Face forwards share one decorator code object across all models, so without this
+    every compile of every model in the process would share one cache and one recompile budget.
+    """
+
+    def forward(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    forward.__code__ = forward.__code__.replace()
+    return functools.wraps(fn)(forward)
+
+
 def _on_cuda(example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
@@ -142,7 +157,7 @@ def _trace_decode(model: torch.nn.Module, state: SparseState) -> GraphReport:
     cache = StaticCache(config=model.config, max_cache_len=length)
     ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
-        torch.compile(model.forward.original, backend=_backend(probe), fullgraph=True)(ids, past_key_values=cache)
+        torch.compile(_own_frame(model.forward.original), backend=_backend(probe), fullgraph=True)(ids, past_key_values=cache)
     return probe.reports[-1]
 
 

@@ -48,6 +48,7 @@ class Site:
     k_base: fx.Node | None = None  # [B, Hkv, L, D]: the tensor the keys come from, repeat removed
     v_base: fx.Node | None = None
     gqa: str = "mha"
+    sliced: bool = False  # attention reads a length slice of the cache, not all of it
     k_write: CacheWrite | None = None
     v_write: CacheWrite | None = None
 
@@ -100,8 +101,9 @@ def find_sites(gm: fx.GraphModule) -> list[Site]:
             layer=_layer_index(node, default=len(sites)),
             q_len=q_len if isinstance(q_len, int) else None,
         )
-        site.k_base, gqa_k = _kv_heads(args["key"], q)
-        site.v_base, gqa_v = _kv_heads(args["value"], q)
+        site.k_base, gqa_k, k_sliced = _kv_heads(args["key"], q)
+        site.v_base, gqa_v, v_sliced = _kv_heads(args["value"], q)
+        site.sliced = k_sliced or v_sliced
         site.gqa = "enable_gqa" if args["enable_gqa"] and gqa_k == "mha" else gqa_k if gqa_k == gqa_v else "mixed"
         site.k_write = _last_write_before(writes.get(site.k_base), order, node)
         site.v_write = _last_write_before(writes.get(site.v_base), order, node)
@@ -126,10 +128,18 @@ def _layer_index(node: fx.Node, default: int) -> int:
     return default
 
 
-def _kv_heads(node, q: torch.Tensor | None) -> tuple[fx.Node | None, str]:
-    """See through HF repeat_kv / repeat_interleave to the [B, Hkv, L, D] tensor behind `node`."""
+def _kv_heads(node, q: torch.Tensor | None) -> tuple[fx.Node | None, str, bool]:
+    """See through HF repeat_kv / repeat_interleave and length slices to the [B, Hkv, L, D] tensor
+    behind `node`. Returns (tensor, GQA form, whether a length slice was peeled)."""
     if not isinstance(node, fx.Node):
-        return None, "mha"
+        return None, "mha", False
+    node, sliced = _peel_length_slices(node)
+    base, form = _unrepeat(node)
+    base, sliced_below = _peel_length_slices(base)
+    return base, form, sliced or sliced_below
+
+
+def _unrepeat(node: fx.Node) -> tuple[fx.Node, str]:
     out = meta(node)
     name = op_name(node)
     if name in ("reshape", "view") and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "expand":
@@ -146,6 +156,19 @@ def _kv_heads(node, q: torch.Tensor | None) -> tuple[fx.Node | None, str]:
         if dim == 1:
             return node.args[0], "repeat_interleave"
     return node, "mha"
+
+
+def _peel_length_slices(node: fx.Node) -> tuple[fx.Node, bool]:
+    """`x[:, :, a:b]` / `x[:, :, a:b, :]` -> x (HF slices the cache to the prompt in causal prefill)."""
+    full = slice(None, None, None)
+    sliced = False
+    while node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], tuple):
+        idx = node.args[1]
+        if not (len(idx) in (3, 4) and idx[0] == full and idx[1] == full and isinstance(idx[2], slice)
+                and idx[2].step is None and all(i == full for i in idx[3:])):
+            break
+        node, sliced = node.args[0], True
+    return node, sliced
 
 
 def _is_unsqueeze_dim2(node: fx.Node) -> bool:

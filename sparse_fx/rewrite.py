@@ -82,11 +82,13 @@ class _Edit:
     def _problem(self, site: Site, decode: bool) -> str | None:
         a = site.args
         q, k, v = meta(site.q), meta(site.k_base), meta(site.v_base)
-        if not (isinstance(a["dropout_p"], (int, float)) and a["dropout_p"] == 0):
+        if isinstance(a["dropout_p"], fx.Node):
+            return "dropout_p is a traced value, not a constant 0 (training-style attention is never rewritten)"
+        if a["dropout_p"] != 0:
             return f"dropout_p={a['dropout_p']} (training-style attention is never rewritten)"
         if q is None or k is None or v is None or site.gqa == "mixed":
             return "keys and values are not plain [B, H, L, D] tensors behind the same head layout"
-        if k.dim() != 4 or q.dim() != 4 or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3]:
+        if k.dim() != 4 or q.dim() != 4 or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3]:
             return f"unsupported head layout q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
         if role_needs_int2(self.plan, self.state.role(site.layer)) and (k.shape[3] % 16 or k.shape[3] % self.plan.int2_group):
             return f"head dim {k.shape[3]} does not split into INT2 groups of {self.plan.int2_group} (and words of 16)"
@@ -94,6 +96,8 @@ class _Edit:
             return "no KV-cache write (index_copy_ or indexed assignment) feeds this attention; use a StaticCache"
         if not decode:
             return None
+        if site.sliced:
+            return "attention reads a slice of the KV cache, not the cache"
         if torch.is_grad_enabled():
             return "autograd is enabled (sparse attention is inference-only: run under torch.no_grad())"
         if a["is_causal"]:

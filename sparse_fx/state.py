@@ -31,8 +31,10 @@ class ModelInfo:
         layers = getattr(text, "num_hidden_layers", None)
         if not isinstance(layers, int):
             raise ValueError("sparse_fx: the model config has no num_hidden_layers")
-        types = getattr(text, "layer_types", None) or []
-        sliding = frozenset(i for i, t in enumerate(types) if "sliding" in str(t) or "local" in str(t))
+        types = getattr(text, "layer_types", None)
+        if types is None and isinstance(getattr(text, "sliding_window", None), int):
+            types = ["sliding_attention"] * layers  # e.g. Mistral: one window for every layer
+        sliding = frozenset(i for i, t in enumerate(types or ()) if "sliding" in str(t) or "local" in str(t))
         head_dim = getattr(text, "head_dim", None)
         if not isinstance(head_dim, int):
             hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)

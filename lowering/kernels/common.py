@@ -1,0 +1,114 @@
+"""Helpers shared by the kernel modules: launch sizing, mask arguments, small jit functions.
+
+Nothing here looks at tensor *values*: every decision is made from shapes, dtypes and devices, so
+the launchers trace under torch.compile (FakeTensors) and capture under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Streaming scans (Hamming, INT2 scores, the selection filter): grid-stride programs, about
+# STREAM_WAVES per SM so enough loads are in flight, each loop software-pipelined STREAM_STAGES deep.
+STREAM_WAVES = 8
+STREAM_STAGES = 3
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels run on CPU tensors through numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def on_kernel_device(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels may run on these tensors: CUDA, or any device under the interpreter."""
+    ts = [t for t in tensors if t is not None]
+    if interpreting():
+        return all(t.device.type == "cpu" for t in ts)
+    return all(t.device.type == "cuda" for t in ts)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (a device constant, not data); 4 on the CPU interpreter."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int = 4) -> int:
+    """How many programs share one row so that rows * programs ~ `waves` x SMs (at least 1, at most
+    one program per block): several programs per (batch, KV head) row keep 132 SMs busy at B*Hkv=8."""
+    return max(1, min(blocks, triton.cdiv(waves * num_sms(device), max(rows, 1))))
+
+
+def pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# ------------------------------------------------------------------------------------ masks
+class MaskArgs:
+    """Kernel arguments for an SDPA mask [B|1, 1|Hq, 1, L] read per KV head.
+
+    `heads` is how many mask heads one KV head owns (G when the mask has Hq heads, else 1); the
+    strides of broadcast dims are 0. Bool masks are passed as uint8 views (no copy).
+    """
+
+    def __init__(self, mask: torch.Tensor | None, kv_heads: int, dummy: torch.Tensor):
+        self.present = mask is not None
+        if mask is None:
+            self.tensor, self.is_bool, self.heads = dummy, True, 1
+            self.sb = self.sh = self.sl = 0
+            self.min_half = 0.0
+            return
+        self.is_bool = mask.dtype == torch.bool
+        self.tensor = mask.view(torch.uint8) if self.is_bool else mask
+        self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
+        self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
+        self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
+        self.sl = mask.stride(3)
+        # a float mask value at or below half the dtype's minimum means "masked" (reference.valid_positions)
+        self.min_half = 0.0 if self.is_bool else float(torch.finfo(mask.dtype).min) / 2
+
+
+@triton.jit
+def mask_readable(mask_ptr, b, h, cols, active, smb, smh, sml, min_half,
+                  MASK_HEADS: tl.constexpr, MASK_BOOL: tl.constexpr):
+    """reference.valid_positions at cache positions `cols` of KV head h: any of its mask heads reads."""
+    ok = cols < 0  # all False, shaped like cols
+    for g in tl.static_range(MASK_HEADS):
+        ptrs = mask_ptr + b * smb + (h * MASK_HEADS + g) * smh + cols * sml
+        if MASK_BOOL:
+            m = tl.load(ptrs, mask=active, other=0)
+            ok = ok | (m != 0)
+        else:
+            m = tl.load(ptrs, mask=active, other=0.0).to(tl.float32)
+            ok = ok | (m > min_half)
+    return ok & active
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """The interpreter multiplies bf16 operands as raw 16-bit integers (np.matmul on the bit
+    patterns): upcast them to fp32 there. On the GPU bf16 goes to the tensor cores as is."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)

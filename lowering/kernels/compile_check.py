@@ -1,0 +1,165 @@
+"""Compile every kernel configuration the launchers use for an NVIDIA target, without a GPU.
+
+The interpreter runs the kernels' logic on CPU, but not the GPU-only code paths (pipelined `for`
+loops, bf16 tensor-core dots) and not the compiler. triton ships ptxas, so the launchers are called
+here with CPU tensors while `wrap_triton` is patched to record each launch instead of running it;
+each recorded launch is then compiled for sm_90 with the same constexprs and options. Run it in a
+process *without* TRITON_INTERPRET (the kernels must be JITFunctions):
+
+    python -m sparse_fx.lowering.kernels.compile_check      # prints registers / spills / smem
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_TY = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+    torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+}
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, wrap_triton(kernel)[grid](...) records (kernel, grid, args, kwargs)."""
+    launches = []
+
+    def fake_wrap(kernel):
+        class _Grid:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: launches.append((kernel, grid, args, kwargs))
+
+        return _Grid()
+
+    real = torch.library.wrap_triton
+    torch.library.wrap_triton = fake_wrap
+    try:
+        yield launches
+    finally:
+        torch.library.wrap_triton = real
+
+
+def _signature(kernel, args, kwargs):
+    names = [p.name for p in kernel.params]
+    constexpr = {p.name for p in kernel.params if p.is_constexpr}
+    values = dict(zip(names, args))
+    options = {}
+    for key, v in kwargs.items():
+        if key in names:
+            values[key] = v
+        else:
+            options[key] = v
+    sig, consts = {}, {}
+    for name in names:
+        v = values[name]
+        if name in constexpr:
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + _TY[v.dtype]
+        elif isinstance(v, bool):
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, int):
+            if v == 1:  # triton specialises integer arguments equal to 1
+                sig[name], consts[name] = "constexpr", 1
+            else:
+                sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif v is None:
+            sig[name], consts[name] = "constexpr", None
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: cannot type argument {name}={v!r}")
+    return sig, consts, options
+
+
+def compile_launch(kernel, args, kwargs, arch: int = 90):
+    sig, consts, options = _signature(kernel, args, kwargs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _scenarios():
+    """Launcher calls covering every constexpr path the ops take at real shapes (CPU tensors)."""
+    from . import (
+        hamming_scores,
+        int2_scores,
+        int2_write,
+        mass_scores,
+        pack_signs,
+        select_topk,
+        signature_write,
+        sparse_decode_attention,
+    )
+
+    B, Hkv, G, L, D = 1, 8, 4, 8192, 128
+    bf = torch.bfloat16
+    q = torch.zeros(B, Hkv * G, 1, D, dtype=bf)
+    k = torch.zeros(B, Hkv, L, D, dtype=bf)
+    pos = torch.tensor([L - 1])
+    mask_f = torch.zeros(B, 1, 1, L, dtype=bf)
+    mask_b = torch.ones(B, Hkv * G, 1, L, dtype=torch.bool)
+    idx = torch.zeros(B, Hkv, 4352, dtype=torch.int32)
+    pool = torch.zeros(B, Hkv, 4096, dtype=torch.int64)
+    yield "pack_signs", lambda: pack_signs(torch.zeros(B, Hkv * G, 1, 32, dtype=bf))
+    yield "signature_write", lambda: signature_write(torch.zeros(B, Hkv, L, 1, dtype=torch.int32),
+                                                     torch.zeros(B, Hkv, 16, 32, dtype=bf), pos[:1].expand(16), True)
+    yield "hamming_scores", lambda: hamming_scores(torch.zeros(B, Hkv * G, 1, dtype=torch.int32),
+                                                   torch.zeros(B, Hkv, L, 1, dtype=torch.int32))
+    codes = torch.zeros(B, Hkv, L, D // 16, dtype=torch.int32)
+    sc = torch.zeros(B, Hkv, L, D // 32, dtype=torch.float16)
+    yield "int2_write", lambda: int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos, True)
+    yield "int2_scores", lambda: int2_scores(q, codes, sc, sc)
+    yield "int2_scores fp32", lambda: int2_scores(q.float(), codes, sc, sc)
+    yield "mass_scores pool", lambda: mass_scores(q, k, None, mask_f, pool)
+    yield "mass_scores oracle", lambda: mass_scores(q, k, None, mask_b)
+    yield "select_topk int", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.int32), pos, 256, 128, 128, mask_f)
+    yield "select_topk pool", lambda: select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
+                                                  mask_b, pool)
+    yield "attention bf16 split", lambda: sparse_decode_attention(q, k, k, idx, None, mask_f)
+    yield "attention bf16 one split", lambda: sparse_decode_attention(q.expand(64, -1, -1, -1), k.expand(64, -1, -1, -1),
+                                                                      k.expand(64, -1, -1, -1),
+                                                                      idx[..., :64].expand(64, -1, -1), None, mask_b[:1])
+    yield "attention fp32 d64", lambda: sparse_decode_attention(q[..., :64].float(), k[..., :64].float(),
+                                                                k[..., :64].float(), idx)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local (spill) bytes of a cubin, from the cuobjdump that ships with triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {k: int(v) for k, v in found.items()}
+
+
+def compile_all(arch: int = 90):
+    """[(scenario, kernel name, registers, local bytes, shared bytes)] for every recorded launch."""
+    rows = []
+    for name, call in _scenarios():
+        with recording() as launches:
+            call()
+        for kernel, _grid, args, kwargs in launches:
+            c = compile_launch(kernel, args, kwargs, arch)
+            use = resource_usage(c.asm["cubin"])
+            rows.append((name, kernel.fn.__name__, use.get("REG", -1), use.get("LOCAL", -1), c.metadata.shared))
+    return rows
+
+
+def main() -> None:
+    for row in compile_all():
+        print("{:28s} {:28s} regs {:4d} local {:5d} smem {:7d}".format(*row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Sparse decode attention: split-K flash-decoding over per-KV-head index lists (page size 1).
+
+Grid (B*Hkv, splits): a program loads the G queries of one KV head, walks its slice of the index
+list BLOCK_N entries at a time, gathers those K rows (each selected row is read once per KV head,
+for all G query heads), computes [G, BLOCK_N] logits, runs an online softmax and accumulates the
+gathered V rows. With one split the program normalises and writes the output itself; otherwise a
+small combine kernel merges the partial (max, sumexp, acc) of the splits. Entries of -1 are
+skipped, mask values are gathered at each selected position per query head, and a head with
+nothing readable gets zeros (as the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FLOAT_DTYPES, MaskArgs, dot, upcast_dot, interpreting, is_pow2, num_sms, on_kernel_device, pow2
+
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attn_tile(
+    q, k_row, v_row, idx_row, mask_row, start, end, m_i, l_i, acc, sm_scale,
+    skl, skd, svl, svd, sik, smh, sml, g, gm,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs = start + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_row + offs * sik, mask=offs < end, other=-1).to(tl.int64)
+    valid = idx >= 0
+    d = tl.arange(0, D)
+    kt = tl.load(k_row + idx[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+    s = dot(q, tl.trans(kt), DOT_PRECISION, UPCAST) * sm_scale  # [G_PAD, BLOCK_N] fp32
+    s = tl.where(valid[None, :], s, float("-inf"))
+    if HAS_MASK:
+        mptr = mask_row + g[:, None] * smh + idx[None, :] * sml
+        active = gm[:, None] & valid[None, :]
+        if MASK_BOOL:
+            mv = tl.load(mptr, mask=active, other=1)
+            s = tl.where(mv != 0, s, float("-inf"))
+        else:
+            s = s + tl.load(mptr, mask=active, other=0.0).to(tl.float32)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing readable yet: exp(-inf - 0) = 0
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    dv = tl.arange(0, DV)
+    vt = tl.load(v_row + idx[:, None] * svl + dv[None, :] * svd, mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, mask_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
+    sm_scale, Hkv, NIDX, SPLIT_LEN, NSPLIT,
+    sqb, sqh, sqd,
+    skb, skh, skl, skd,
+    svb, svh, svl, svd,
+    sib, sih, sik,
+    smb, smh, sml,
+    sob, soh, sod,
+    G: tl.constexpr,  # query heads per KV head: one program serves all of them, so K/V rows are read once
+    G_PAD: tl.constexpr,  # G padded to a tl.dot width (>= 16); padded rows are never stored
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # selected rows gathered per step
+    HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr,  # bool mask (uint8 view): False -> -inf; else additive float
+    MASK_HEADS: tl.constexpr,  # mask heads per KV head: G (per-head mask) or 1 (broadcast, stride 0)
+    SPLIT: tl.constexpr,  # several programs per row: write partials for the combine kernel
+    DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact (tf32 would cost ~1e-3)
+    UPCAST: tl.constexpr,  # interpreter only: bf16 dot operands go through fp32
+    USE_FOR: tl.constexpr,  # `for` loop (pipelined on GPU); a `while` under the interpreter
+):
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = (r // Hkv).to(tl.int64)
+    h = (r % Hkv).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + (h * G + g)[:, None] * sqh + d[None, :] * sqd, mask=gm[:, None], other=0.0)
+    k_row = k_ptr + b * skb + h * skh
+    v_row = v_ptr + b * svb + h * svh
+    idx_row = idx_ptr + b * sib + h * sih
+    mask_row = mask_ptr + b * smb + (h * MASK_HEADS) * smh
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV], tl.float32)
+    lo = sp * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, NIDX)
+    if USE_FOR:
+        for start in tl.range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attn_tile(
+                q, k_row, v_row, idx_row, mask_row, start, hi, m_i, l_i, acc, sm_scale,
+                skl, skd, svl, svd, sik, smh, sml, g, gm,
+                D, DV, BLOCK_N, HAS_MASK, MASK_BOOL, MASK_HEADS, DOT_PRECISION, UPCAST,
+            )
+    else:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _attn_tile(
+                q, k_row, v_row, idx_row, mask_row, start, hi, m_i, l_i, acc, sm_scale,
+                skl, skd, svl, svd, sik, smh, sml, g, gm,
+                D, DV, BLOCK_N, HAS_MASK, MASK_BOOL, MASK_HEADS, DOT_PRECISION, UPCAST,
+            )
+            start += BLOCK_N
+    dv = tl.arange(0, DV)
+    if SPLIT:
+        base = (r * NSPLIT + sp) * G_PAD
+        tl.store(pm_ptr + base + g, m_i)
+        tl.store(pl_ptr + base + g, l_i)
+        tl.store(pacc_ptr + (base + g)[:, None] * DV + dv[None, :], acc)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + b * sob + (h * G + g)[:, None] * soh + dv[None, :] * sod,
+            out.to(out_ptr.dtype.element_ty), mask=gm[:, None],
+        )
+
+
+@triton.jit
+def _combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, out_ptr,
+    Hq, NSPLIT,
+    sob, soh, sod,
+    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr,
+    S_PAD: tl.constexpr,  # splits padded to a power of two: all partials of a head in registers
+):
+    pid = tl.program_id(0)  # one (batch, query head)
+    b = pid // Hq
+    hq = pid % Hq
+    r = b * (Hq // G) + hq // G
+    g = hq % G
+    s = tl.arange(0, S_PAD)
+    live = s < NSPLIT
+    base = (r * NSPLIT + s) * G_PAD + g
+    ms = tl.load(pm_ptr + base, mask=live, other=float("-inf"))
+    ls = tl.load(pl_ptr + base, mask=live, other=0.0)
+    top = tl.max(ms, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(ms - top)
+    total = tl.sum(w * ls, axis=0)
+    dv = tl.arange(0, DV)
+    parts = tl.load(pacc_ptr + base[:, None] * DV + dv[None, :], mask=live[:, None], other=0.0)
+    acc = tl.sum(w[:, None] * parts, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * sob + hq * soh + dv * sod, out.to(out_ptr.dtype.element_ty))
+
+
+def sparse_decode_attention_supported(q, k, v, indices, scale=None, mask=None) -> bool:
+    if not on_kernel_device(q, k, v, indices, mask):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or indices.dim() != 3:
+        return False
+    D, DV = q.shape[-1], v.shape[-1]
+    return (
+        q.dtype in FLOAT_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[2] == 1
+        and k.shape[-1] == D
+        and is_pow2(D) and 16 <= D <= 256
+        and is_pow2(DV) and 16 <= DV <= 256
+        and not indices.is_floating_point()
+        and indices.dtype != torch.bool
+        and q.shape[1] % k.shape[1] == 0
+        and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
+    )
+
+
+def sparse_decode_attention(q, k, v, indices, scale=None, mask=None) -> torch.Tensor:
+    """softmax(q k[idx]^T * scale + mask[idx]) v[idx] per KV head: [B,Hq,1,Dv] in q's dtype."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    DV = v.shape[-1]
+    G = Hq // Hkv
+    R = B * Hkv
+    NIDX = indices.shape[-1]
+    if B * Hq == 0 or NIDX == 0:
+        return torch.zeros(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
+    sm_scale = D**-0.5 if scale is None else float(scale)
+    BLOCK_N = 64 if max(D, DV) <= 128 else 32
+    G_PAD = max(16, pow2(G))
+    blocks = triton.cdiv(NIDX, BLOCK_N)
+    splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(4 * num_sms(q.device), R)))
+    split_len = triton.cdiv(blocks, splits) * BLOCK_N
+    splits = triton.cdiv(NIDX, split_len)
+    ma = MaskArgs(mask, Hkv, indices)
+    if splits > 1:
+        pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(R * splits * G_PAD * DV, dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = out  # unused
+    torch.library.wrap_triton(_sparse_attn_kernel)[(R, splits)](
+        q, k, v, indices, ma.tensor, out, pm, pl, pacc,
+        sm_scale, Hkv, NIDX, split_len, splits,
+        q.stride(0), q.stride(1), q.stride(3),
+        *k.stride(), *v.stride(), *indices.stride(),
+        ma.sb, ma.sh, ma.sl,
+        out.stride(0), out.stride(1), out.stride(3),
+        G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_N=BLOCK_N,
+        HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
+        SPLIT=splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=upcast_dot(q.dtype),
+        USE_FOR=not interpreting(),
+        num_warps=4,
+    )
+    if splits > 1:
+        torch.library.wrap_triton(_combine_kernel)[(B * Hq,)](
+            pm, pl, pacc, out,
+            Hq, splits,
+            out.stride(0), out.stride(1), out.stride(3),
+            G=G, G_PAD=G_PAD, DV=DV, S_PAD=pow2(splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,48 @@
+"""Tiny random-initialised configs of decoder families that transformers ships (for tests)."""
+
+from __future__ import annotations
+
+import torch
+
+# family -> (config class name, model class name, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": None}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    # forms with local layers: their sliding-window layers must stay dense, visibly
+    "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+}
+
+
+def tiny_model(family: str, layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0, **overrides):
+    """A random-initialised eval-mode model of `family` with head dim 16, SDPA attention, fp32."""
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[family]
+    fields = dict(
+        vocab_size=128,
+        hidden_size=heads * 16,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        **extra,
+    )
+    fields.update(overrides)
+    config = getattr(transformers, config_name)(**fields)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
