@@ -58,13 +58,15 @@ def _signature(kernel, args, kwargs):
             values[key] = v
         else:
             options[key] = v
-    sig, consts = {}, {}
-    for name in names:
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(names):
         v = values[name]
         if name in constexpr:
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _TY[v.dtype]
+            if v.data_ptr() % 16 == 0:  # as the launcher specialises 16-byte aligned pointers
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, bool):
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, int):
@@ -72,18 +74,20 @@ def _signature(kernel, args, kwargs):
                 sig[name], consts[name] = "constexpr", 1
             else:
                 sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[name] = "fp32"
         elif v is None:
             sig[name], consts[name] = "constexpr", None
         else:
             raise TypeError(f"{kernel.fn.__name__}: cannot type argument {name}={v!r}")
-    return sig, consts, options
+    return sig, consts, attrs, options
 
 
 def compile_launch(kernel, args, kwargs, arch: int = 90):
-    sig, consts, options = _signature(kernel, args, kwargs)
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    sig, consts, attrs, options = _signature(kernel, args, kwargs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -130,6 +134,18 @@ def _scenarios():
                                                                       idx[..., :64].expand(64, -1, -1), None, mask_b[:1])
     yield "attention fp32 d64", lambda: sparse_decode_attention(q[..., :64].float(), k[..., :64].float(),
                                                                 k[..., :64].float(), idx)
+    # other model shapes: D=256 fp16 with 8 query heads per KV head; SmolLM2-like D=64, G=3
+    h16 = torch.zeros(1, 2, 1024, 256, dtype=torch.float16)
+    q16 = torch.zeros(1, 16, 1, 256, dtype=torch.float16)
+    yield "attention fp16 d256 g8", lambda: sparse_decode_attention(q16, h16, h16, idx[:, :2], None, mask_b[:, :16, :, :1024])
+    yield "mass fp16 d256 g8", lambda: mass_scores(q16, h16, None, None, pool[:, :2])
+    q3 = torch.zeros(1, 9, 1, 64, dtype=bf)
+    k3 = torch.zeros(1, 3, 8192, 64, dtype=bf)
+    c3 = torch.zeros(1, 3, 8192, 4, dtype=torch.int32)
+    s3 = torch.zeros(1, 3, 8192, 2, dtype=torch.float16)
+    yield "int2 d64 g3", lambda: (int2_write(c3, s3, s3.clone(), k3[:, :, :1], pos), int2_scores(q3, c3, s3, s3))
+    yield "attention d64 g3 float mask", lambda: sparse_decode_attention(q3, k3, k3, idx[:, :3], None, mask_f)
+    yield "hamming g3 w2", lambda: hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
 
 
 def resource_usage(cubin: bytes) -> dict:

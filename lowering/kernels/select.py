@@ -4,7 +4,7 @@ No sort, and no histogram over the whole row. Every score becomes an order-prese
 (the float32 bit pattern with the negative half flipped; ineligible candidates get a key below
 -inf). Then, per row:
 
-1. `sample`   (one program per row) reads a stratified sample of S candidates (S/32 runs of 32
+1. `sample`   (one program per row) reads a stratified sample of S candidates (S/8 runs of 8
               contiguous ones; the whole row when N <= S), and bisects it for two keys that bracket
               the k-th largest key of the row with high probability: T_hi at sample rank
               r - delta, T_lo at rank r + delta, r = k S / N. When N <= S the bracket is exact
@@ -52,12 +52,13 @@ KEY_NEGINF = tl.constexpr(-2139095041)  # ordered key of float32 -inf (0xFF80000
 KEY_MAX = tl.constexpr(2**31 - 1)
 
 SAMPLE = 4096  # sampled candidates per row (one program holds them in registers)
-SAMPLE_RUN = 32  # contiguous candidates per sample run (one 128-byte line of int32 scores)
+SAMPLE_RUN = 8  # contiguous candidates per sample run: one 32-byte sector; short runs keep clustered
+#                scores (a relevant passage) from inflating the sample's variance
 DELTA_SIGMA = 5.0  # bracket half-width: DELTA_SIGMA * sqrt(r) + r * DELTA_REL + DELTA_ABS sample ranks
 DELTA_REL = 1.0 / 16
 DELTA_ABS = 8.0
 FILTER_BLOCK = 1024
-RESOLVE_BLOCK = 8192  # bracket candidates a resolve program bisects in registers (more: looped from L2)
+RESOLVE_BLOCK = 16384  # bracket candidates a resolve program bisects in registers (more: looped from L2)
 SCAN_BLOCK = 1024  # chunk of the looped paths (resolve overflow, fallback)
 
 SCORE_DTYPES = FLOAT_DTYPES + (torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -88,13 +89,21 @@ def _row_keys(
 
 
 @triton.jit
-def _bisect_regs(key, j, lo, hi):
-    """Largest t in [lo, hi] with count(key >= t) >= j (lo when none), keys in registers."""
-    while lo < hi:
+def _bisect_regs(key, j, lo, hi, slack):
+    """A key t in [lo, hi] with j <= count(key >= t) <= j + slack, keys in registers; with slack 0,
+    the largest t with count(key >= t) >= j (lo when there is none).
+
+    Invariant: the answer lies in [lo, hi]. Each step is one block-wide count, so callers narrow
+    [lo, hi] to the keys' min / max first and the sample bracket accepts a few ranks of slack.
+    """
+    done = lo >= hi
+    while not done:
         mid = lo + (hi - lo + 1) // 2
-        ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= j
+        c = tl.sum((key >= mid).to(tl.int32), axis=0)
+        ok = c >= j
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
+        done = (lo >= hi) | (ok & (c <= j + slack))
     return lo
 
 
@@ -123,7 +132,7 @@ def _fill(out_row, sok, lo, hi, value, BLOCK: tl.constexpr):
 @triton.jit
 def _sample_kernel(
     scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr, cnt_ptr,
-    Hkv, N, L, now_off, sink, local, min_half, RANK_HI, RANK_LO, RUN_STRIDE,
+    Hkv, N, L, now_off, sink, local, min_half, RANK_HI, RANK_LO, SLACK, RUN_STRIDE,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
     S: tl.constexpr,  # sampled candidates (all of them in registers)
     RUN: tl.constexpr,  # contiguous candidates per sample run
@@ -142,12 +151,15 @@ def _sample_kernel(
         N, L, now, sink, local, min_half, ssn, spn, smh, sml,
         HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS,
     )
-    n_s = tl.sum((key > KEY_NEGINF).to(tl.int32), axis=0)
-    lo0 = tl.full([], KEY_NEGINF + 1, tl.int64)
-    hi0 = tl.full([], KEY_MAX, tl.int64)
-    t_hi = _bisect_regs(key, RANK_HI, lo0, hi0)
+    valid = key > KEY_NEGINF
+    n_s = tl.sum(valid.to(tl.int32), axis=0)
+    lo0 = tl.min(tl.where(valid, key, KEY_MAX), axis=0).to(tl.int64)  # the answers lie within the keys
+    hi0 = tl.max(key, axis=0).to(tl.int64)
+    # T_hi may sit up to SLACK ranks above RANK_HI, T_lo up to SLACK below RANK_LO: the bracket only
+    # widens, and the early stop saves block-wide counts
+    t_hi = _bisect_regs(key, tl.maximum(RANK_HI - SLACK, 1), lo0, hi0, SLACK)
     t_hi = tl.where(RANK_HI < 1, KEY_MAX, tl.where(RANK_HI > n_s, KEY_NEGINF, t_hi))
-    t_lo = _bisect_regs(key, RANK_LO, lo0, hi0)
+    t_lo = _bisect_regs(key, RANK_LO, lo0, hi0, SLACK)
     t_lo = tl.where(RANK_LO < 1, KEY_MAX, tl.where(RANK_LO > n_s, KEY_NEGINF, t_lo))
     tl.store(state_ptr + r * 2, t_lo.to(tl.int32))
     tl.store(state_ptr + r * 2 + 1, t_hi.to(tl.int32))
@@ -302,8 +314,11 @@ def _resolve_kernel(
                 hi = t_hi.to(tl.int64)
                 if n_inside <= RES_BLOCK:
                     jj = tl.arange(0, RES_BLOCK)
-                    keys = tl.load(ckey_row + jj, mask=jj < n_inside, other=KEY_NONE)
-                    thr = _bisect_regs(keys, m, lo, hi)
+                    live = jj < n_inside
+                    keys = tl.load(ckey_row + jj, mask=live, other=KEY_NONE)
+                    lo = tl.min(tl.where(live, keys, KEY_MAX), axis=0).to(tl.int64)
+                    hi = tl.max(keys, axis=0).to(tl.int64)
+                    thr = _bisect_regs(keys, m, lo, hi, 0)
                     n_gt = tl.sum((keys > thr).to(tl.int32), axis=0)
                 else:
                     while lo < hi:
@@ -448,6 +463,7 @@ def select_topk_impl(scores, pos, k, sink, local, mask=None, positions=None, *,
     run = min(run, S)
     exact = N <= S
     rank_hi, rank_lo = ranks if ranks is not None else bracket_ranks(kk, N, S)
+    slack = 0 if exact or ranks is not None else max(1, (rank_lo - rank_hi) // 8)
     run_stride = run if exact else N // (S // run)
     if cap is None:
         cap = N if exact else min(N, max(2 * kk + 1024, N // 8))
@@ -467,7 +483,7 @@ def select_topk_impl(scores, pos, k, sink, local, mask=None, positions=None, *,
     wt = torch.library.wrap_triton
     wt(_sample_kernel)[(R,)](
         scores, pos_t, pos, ma.tensor, state, cnt,
-        *common, rank_hi, rank_lo, run_stride,
+        *common, rank_hi, rank_lo, slack, run_stride,
         *strides,
         S=S, RUN=run, **flags,
         num_warps=8,
