@@ -5,9 +5,10 @@
 """
 
 from . import ops
-from .api import compile, explain
+from .api import attach_cache, compile, explain, measurements
 from .explain import Report
+from .measure import Measurements
 from .plan import Plan
 
-__all__ = ["compile", "explain", "ops", "Plan", "Report"]
+__all__ = ["attach_cache", "compile", "explain", "measurements", "ops", "Measurements", "Plan", "Report"]
 __version__ = "0.1.0"

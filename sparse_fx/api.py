@@ -7,10 +7,13 @@ import functools
 import torch
 
 from .explain import Report
+from .lowering import ops
+from .measure import Measurements
 from .plan import Plan
 from .rewrite import rewrite
-from .runtime.state import Encoders
-from .state import GraphReport, ModelInfo, SparseState
+from .runtime.encoders import apply_head_mlp
+from .runtime.state import Encoders, KVShape
+from .state import SIDE_CACHE_ROLES, GraphReport, ModelInfo, SparseState
 
 BACKENDS = ("inductor", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -21,9 +24,10 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     plan: str | Plan = "prism-g4",
     *,
     encoders=None,
-    backend: str = "inductor",
+    backend: str | None = None,
     mode: str | None = None,
     strict: bool = False,
+    measure: bool = False,
     **plan_options,
 ) -> torch.nn.Module:
     """Make `model`'s decode attention sparse; returns the same model, its forward compiled.
@@ -34,11 +38,17 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     backend: "inductor" (default) compiles the rewritten graph; "eager" runs it as is (debugging,
     and fast CPU tests). mode: Inductor mode; default "reduce-overhead" (CUDA graphs) on CUDA.
     strict: raise instead of leaving any attention the plan wants sparse dense.
+    measure: record every sparse layer's selection against dense attention (recall, attention
+    mass, output error; read them with `sparse_fx.measurements(model)`); implies backend "eager".
 
     Works with a StaticCache (`generate(..., cache_implementation="static")` or your own
     `StaticCache`): prefill stays dense and fills the side caches, decode steps run sparse.
     `sparse_fx.explain(model)` shows every attention and what became of it.
     """
+    if backend is None:
+        backend = "eager" if measure else "inductor"
+    if measure and backend != "eager":
+        raise ValueError("sparse_fx: measure=True records in Python between graph ops: use backend='eager'")
     if backend not in BACKENDS:
         raise ValueError(f"sparse_fx: unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if mode is not None and mode not in MODES:
@@ -60,6 +70,7 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         backend=backend,
         mode=mode,
         strict=strict,
+        measurements=Measurements() if measure else None,
     )
     previous = model.__dict__.get("forward")
     original = previous.original if isinstance(previous, SparseForward) else model.forward
@@ -80,6 +91,38 @@ def explain(model: torch.nn.Module) -> Report:
     if decode:
         return Report(state.plan, state.info, decode[-1], prefill[-1] if prefill else None, state.side_caches.nbytes())
     return Report(state.plan, state.info, _trace_decode(model, state), None, 0, traced=True)
+
+
+def measurements(model: torch.nn.Module) -> Measurements:
+    """What the sparse layers selected, against dense attention (needs compile(..., measure=True))."""
+    state = sparse_state(model)
+    if state.measurements is None:
+        raise ValueError("sparse_fx: compile the model with measure=True to record measurements")
+    return state.measurements
+
+
+def attach_cache(model: torch.nn.Module, cache) -> None:
+    """Decode sparsely from a KV cache filled elsewhere (a dense prefill, a prefix cache).
+
+    Writes the side caches the plan needs for the filled positions of `cache` (a Hugging Face
+    StaticCache), exactly as a prefill through the compiled model would have.
+    """
+    state = sparse_state(model)
+    needs = SIDE_CACHE_ROLES.get(state.plan.method, set())
+    with torch.no_grad():
+        for layer, role in enumerate(state.roles):
+            if role not in needs:
+                continue
+            keys = cache.layers[layer].keys
+            n = int(cache.layers[layer].get_seq_length())
+            pos = torch.arange(n, device=keys.device)
+            kv = KVShape.of(keys)
+            if state.plan.method == "hash":
+                enc = state.encoders.layer(layer, state.info.q_heads, kv.kv_heads, kv.head_dim, kv.device)
+                logits = apply_head_mlp(keys[:, :, :n], *enc.key.params())
+                ops.signature_write(state.side_caches.signature(layer, kv, state.plan.bits), logits, pos, True)
+            else:
+                ops.int2_write(*state.side_caches.int2(layer, kv, state.plan.int2_group), keys[:, :, :n], pos, True)
 
 
 def sparse_state(model: torch.nn.Module) -> SparseState:

@@ -14,6 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from . import measure
 from .lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
 from .match import Site, find_sites, meta, op_name
 from .runtime.encoders import apply_head_mlp
@@ -186,7 +187,12 @@ class _Edit:
                 else:
                     scores = self._call(OPS.mass_scores.default, q, site.k_base, a["scale"], mask, pool)
                     idx = self._select(scores, pos, p.budget, mask, pool)
-            return self._call(OPS.sparse_decode_attention.default, q, site.k_base, site.v_base, idx, a["scale"], mask)
+            out = self._call(OPS.sparse_decode_attention.default, q, site.k_base, site.v_base, idx, a["scale"], mask)
+            if self.state.measurements is not None:
+                pool = self.proposals[self.last_proposal][0] if role in ("proposal", "refined") else None
+                self._call(measure.record, self.state.measurements.key, site.layer, q, site.k_base, site.v_base,
+                           mask, idx, out, a["scale"], pool, p.window)
+            return out
 
     def _select(self, scores, pos, k: int, mask, positions=None) -> fx.Node:
         p = self.plan

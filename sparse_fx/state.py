@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .measure import Measurements
 from .plan import Plan
 from .runtime.state import Encoders, SideCaches
 
@@ -19,6 +20,7 @@ class ModelInfo:
 
     model_type: str
     num_layers: int
+    q_heads: int | None = None
     head_dim: int | None = None
     sliding_layers: frozenset[int] = frozenset()
 
@@ -39,7 +41,8 @@ class ModelInfo:
         if not isinstance(head_dim, int):
             hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
             head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
-        return cls(getattr(text, "model_type", type(model).__name__), layers, head_dim, sliding)
+        q_heads = getattr(text, "num_attention_heads", None)
+        return cls(getattr(text, "model_type", type(model).__name__), layers, q_heads, head_dim, sliding)
 
     def check_plan(self, plan: Plan) -> None:
         """Reject options the model's shapes cannot take, naming the valid choices."""
@@ -91,6 +94,7 @@ class SparseState:
     backend: str = "inductor"
     mode: str | None = None
     strict: bool = False
+    measurements: Measurements | None = None
     side_caches: SideCaches = field(default_factory=SideCaches)
     reports: list[GraphReport] = field(default_factory=list)
     _unfilled: set[int] = field(default_factory=set)
