@@ -70,3 +70,71 @@ def lsh_layer(q_heads: int, kv_heads: int, head_dim: int, bits: int, seed: int) 
     planes = torch.randn(kv_heads, head_dim, bits, generator=g)
     per_query = planes.repeat_interleave(q_heads // kv_heads, dim=0)
     return LayerEncoders(query=HeadMLP([per_query], [None]), key=HeadMLP([planes], [None]))
+
+
+FORMAT = "sparse_fx.signatures/1"
+
+
+@dataclass
+class SignatureEncoders:
+    """Trained HashAttention encoders for one model: per layer, query encoders over the query
+    heads and key encoders over the KV heads; `fingerprint` names the model they were trained on."""
+
+    layers: list[LayerEncoders]
+    bits: int
+    fingerprint: dict
+    metadata: dict
+
+    def layer(self, i: int) -> LayerEncoders:
+        return self.layers[i]
+
+    def check(self, fingerprint: dict) -> None:
+        """Raise unless these encoders were trained for a model with this fingerprint."""
+        diff = {k: (self.fingerprint.get(k), v) for k, v in fingerprint.items() if self.fingerprint.get(k) != v}
+        if diff:
+            lines = ", ".join(f"{k}: trained {a!r}, model {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"sparse_fx: these signature encoders were trained for another model ({lines})")
+
+    def save(self, path) -> None:
+        """`path` (a directory): encoders.safetensors plus encoders.json (fingerprint, metadata)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i, enc in enumerate(self.layers):
+            for side, mlp in (("q", enc.query), ("k", enc.key)):
+                for j, (w, b) in enumerate(zip(mlp.weights, mlp.biases)):
+                    tensors[f"{i}.{side}.w{j}"] = w.detach().float().cpu().contiguous()
+                    if b is not None:
+                        tensors[f"{i}.{side}.b{j}"] = b.detach().float().cpu().contiguous()
+        save_file(tensors, str(path / "encoders.safetensors"))
+        meta = {"format": FORMAT, "bits": self.bits, "fingerprint": self.fingerprint, "metadata": self.metadata}
+        (path / "encoders.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path) -> SignatureEncoders:
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "encoders.json").exists() or not (path / "encoders.safetensors").exists():
+            raise ValueError(f"sparse_fx: {str(path)!r} holds no signature encoders (encoders.json + encoders.safetensors)")
+        meta = json.loads((path / "encoders.json").read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"sparse_fx: {str(path)!r} is not a {FORMAT} file")
+        tensors = load_file(str(path / "encoders.safetensors"))
+        layers = []
+        for i in range(meta["fingerprint"]["num_layers"]):
+            sides = []
+            for side in ("q", "k"):
+                n = sum(1 for name in tensors if name.startswith(f"{i}.{side}.w"))
+                sides.append(HeadMLP([tensors[f"{i}.{side}.w{j}"] for j in range(n)],
+                                     [tensors.get(f"{i}.{side}.b{j}") for j in range(n)]))
+            layers.append(LayerEncoders(query=sides[0], key=sides[1]))
+        return cls(layers, meta["bits"], meta["fingerprint"], meta["metadata"])

@@ -6,9 +6,24 @@
 
 from . import ops
 from .api import attach_cache, compile, explain, measurements
+from .calibrate import calibrate
 from .explain import Report
 from .measure import Measurements
 from .plan import Plan
+from .runtime.encoders import SignatureEncoders
+from .train import train_signatures
 
-__all__ = ["attach_cache", "compile", "explain", "measurements", "ops", "Measurements", "Plan", "Report"]
+__all__ = [
+    "attach_cache",
+    "calibrate",
+    "compile",
+    "explain",
+    "measurements",
+    "ops",
+    "train_signatures",
+    "Measurements",
+    "Plan",
+    "Report",
+    "SignatureEncoders",
+]
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     mode: str | None = None,
     strict: bool = False,
     measure: bool = False,
+    _search: bool = False,
     **plan_options,
 ) -> torch.nn.Module:
     """Make `model`'s decode attention sparse; returns the same model, its forward compiled.
@@ -57,6 +58,8 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         raise ValueError(f"sparse_fx: expected a torch.nn.Module, got {type(model).__name__}")
     if model.training:
         raise ValueError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval() first")
+    if encoders is not None and "bits" not in plan_options and hasattr(encoders, "bits"):
+        plan_options["bits"] = encoders.bits
     plan = Plan.parse(plan, **plan_options)
     if encoders is not None and plan.method != "hash":
         raise ValueError(f"sparse_fx: encoders only apply to the hash plan, not {plan.name!r}")
@@ -71,6 +74,7 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         mode=mode,
         strict=strict,
         measurements=Measurements() if measure else None,
+        search=_search,
     )
     previous = model.__dict__.get("forward")
     original = previous.original if isinstance(previous, SparseForward) else model.forward
@@ -204,5 +208,16 @@ def _trace_decode(model: torch.nn.Module, state: SparseState) -> GraphReport:
     return probe.reports[-1]
 
 
-def _load_encoders(encoders, model, plan):
-    raise ValueError("sparse_fx: trained signature encoders are not available yet; use plan='hash' without encoders (LSH)")
+def _load_encoders(encoders, model, plan: Plan):
+    """Trained encoders (object or directory), checked against the model and the plan."""
+    from .runtime.encoders import SignatureEncoders
+    from .train import fingerprint
+
+    if not isinstance(encoders, SignatureEncoders):
+        encoders = SignatureEncoders.load(encoders)
+    encoders.check(fingerprint(model))
+    if encoders.bits != plan.bits:
+        raise ValueError(f"sparse_fx: the encoders make {encoders.bits}-bit signatures but the plan asks for bits={plan.bits}")
+    if encoders.metadata.get("train_config", {}).get("key_sharing", "kv") != "kv":
+        raise ValueError("sparse_fx: these encoders sign keys per query head; the runtime serves KV-head signatures (key_sharing='kv')")
+    return encoders

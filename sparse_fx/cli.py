@@ -22,12 +22,57 @@ def main(argv=None) -> None:
     explain = sub.add_parser("explain", help="print what a plan does to SmolLM2's attention")
     explain.add_argument("plan", nargs="?", default="prism-g4")
 
+    train = sub.add_parser("train-signatures", help="train HashAttention encoders on a model (frozen) and save them")
+    train.add_argument("--model", default="smollm2", help="the model to train for (offline: smollm2)")
+    train.add_argument("--out", required=True, help="directory to write encoders.safetensors + encoders.json")
+    train.add_argument("--bits", type=int, default=32)
+    train.add_argument("--context", type=int, default=4096, help="tokens per training window (train at the deployed context)")
+    train.add_argument("--windows", type=int, default=16, help="training windows from the train split")
+    train.add_argument("--epochs", type=int, default=12)
+    train.add_argument("--seed", type=int, default=0)
+
+    cal = sub.add_parser("calibrate", help="choose Prism proposal layers by greedy search; write the plan as JSON")
+    cal.add_argument("--model", default="smollm2")
+    cal.add_argument("--out", required=True, help="plan JSON to write (load with sparse_fx.compile(model, plan=PATH))")
+    cal.add_argument("--method", choices=("prism", "static"), default="prism")
+    cal.add_argument("--group", type=int, default=4, help="layers per proposal layer (4: 1 proposal + 3 refined)")
+    cal.add_argument("--budget", type=int, default=256)
+    cal.add_argument("--sink", type=int, default=64)
+    cal.add_argument("--local", type=int, default=64)
+    cal.add_argument("--rho", type=float, default=4.0)
+    cal.add_argument("--context", type=int, default=2048)
+    cal.add_argument("--windows", type=int, default=4)
+    cal.add_argument("--steps", type=int, default=16, help="teacher-forced sparse decode steps per window")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
 
         run(plans=tuple(args.plans.split(",")), context=args.context, depth=args.depth, budget=args.budget,
             sink=args.sink, local=args.local, backend=args.backend)
+    elif args.command == "train-signatures":
+        import time
+
+        from .models import load_model
+        from .train import train_signatures
+
+        model, tok = load_model(args.model)
+        start = time.perf_counter()
+        enc = train_signatures(model, tokenizer=tok, bits=args.bits, context=args.context, windows=args.windows,
+                               epochs=args.epochs, seed=args.seed)
+        enc.metadata["train_seconds"] = time.perf_counter() - start
+        enc.save(args.out)
+        print(f"saved {args.bits}-bit encoders for {args.model} to {args.out} ({enc.metadata['train_seconds']:.0f} s)")
+    elif args.command == "calibrate":
+        from .calibrate import calibrate
+        from .models import load_model
+
+        model, tok = load_model(args.model)
+        plan = calibrate(model, tokenizer=tok, group=args.group, method=args.method, context=args.context,
+                         windows=args.windows, steps=args.steps, budget=args.budget, sink=args.sink,
+                         local=args.local, rho=args.rho)
+        plan.save(args.out)
+        print(f"{plan.note}\nroles: {' '.join(r[0].upper() for r in plan.roles)}\nsaved {args.out}")
     elif args.command == "explain":
         from . import compile, explain as explain_model
         from .models import load_model

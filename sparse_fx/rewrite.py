@@ -129,7 +129,7 @@ class _Edit:
         method = self.plan.method
         if method == "hash":
             kind = "signature"
-        elif method in ("prism", "static") and role == "proposal":
+        elif method in ("prism", "static") and role in ("proposal", "search"):
             kind = "int2"
         else:
             return "-"
@@ -172,27 +172,48 @@ class _Edit:
                 scores = self._call(OPS.hamming_scores.default, q_sig, self._signatures(site.layer, kv))
                 idx = self._select(scores, pos, p.budget, mask)
             elif role == "proposal":
-                scores = self._call(OPS.int2_scores.default, q, *self._int2(site.layer, kv))
-                ranked = self._select(scores, pos, p.pool, mask)
-                pool = self._call(operator.getitem, ranked, (slice(None), slice(None), slice(p.window, None)))
-                idx = self._select(self._call(_scores_at, scores, pool), pos, p.budget, mask, pool)
+                pool, idx = self._propose(site, kv)
                 self.proposals[site.layer] = (pool, idx)
                 self.last_proposal = site.layer
                 row.budget += f", pool {p.pool}"
-            else:  # refined
-                pool, proposal_idx = self.proposals[self.last_proposal]
+            elif role == "refined":
                 row.budget += f", from L{self.last_proposal}"
-                if p.method == "static":
-                    idx = proposal_idx
+                idx = self._refine(site, *self.proposals[self.last_proposal])
+            else:  # search: both paths, a per-layer flag in a device buffer picks (calibration)
+                own_pool, own_idx = self._propose(site, kv)
+                if self.last_proposal is None:
+                    pool, idx = own_pool, own_idx
                 else:
-                    scores = self._call(OPS.mass_scores.default, q, site.k_base, a["scale"], mask, pool)
-                    idx = self._select(scores, pos, p.budget, mask, pool)
+                    carried_pool, carried_idx = self.proposals[self.last_proposal]
+                    flag = self._call(operator.getitem, self._attr("role_flags", self.state.role_flags(kv.device)), site.layer)
+                    idx = self._call(torch.where, flag, own_idx, self._refine(site, carried_pool, carried_idx))
+                    pool = self._call(torch.where, flag, own_pool, carried_pool)
+                    own_idx = self._call(torch.where, flag, own_idx, carried_idx)
+                self.proposals[site.layer] = (pool, own_idx)
+                self.last_proposal = site.layer
+                row.budget += f", pool {p.pool}"
             out = self._call(OPS.sparse_decode_attention.default, q, site.k_base, site.v_base, idx, a["scale"], mask)
             if self.state.measurements is not None:
-                pool = self.proposals[self.last_proposal][0] if role in ("proposal", "refined") else None
+                pool = self.proposals[self.last_proposal][0] if role in ("proposal", "refined", "search") else None
                 self._call(measure.record, self.state.measurements.key, site.layer, q, site.k_base, site.v_base,
                            mask, idx, out, a["scale"], pool, p.window)
             return out
+
+    def _propose(self, site: Site, kv: KVShape) -> tuple[fx.Node, fx.Node]:
+        """INT2 scores over the whole cache -> (pool of the best `plan.pool`, its best `budget`)."""
+        p, pos, mask = self.plan, site.k_write.pos, site.mask
+        scores = self._call(OPS.int2_scores.default, site.q, *self._int2(site.layer, kv))
+        ranked = self._select(scores, pos, p.pool, mask)
+        pool = self._call(operator.getitem, ranked, (slice(None), slice(None), slice(p.window, None)))
+        return pool, self._select(self._call(_scores_at, scores, pool), pos, p.budget, mask, pool)
+
+    def _refine(self, site: Site, pool: fx.Node, proposal_idx: fx.Node) -> fx.Node:
+        """Prism: re-score the proposal's pool with this layer's keys; static: reuse its choice."""
+        p = self.plan
+        if p.method == "static":
+            return proposal_idx
+        scores = self._call(OPS.mass_scores.default, site.q, site.k_base, site.args["scale"], site.mask, pool)
+        return self._select(scores, site.k_write.pos, p.budget, site.mask, pool)
 
     def _select(self, scores, pos, k: int, mask, positions=None) -> fx.Node:
         p = self.plan
@@ -232,7 +253,7 @@ class _Edit:
 
 
 def role_needs_int2(plan, role: str) -> bool:
-    return plan.method in ("prism", "static") and role == "proposal"
+    return plan.method in ("prism", "static") and role in ("proposal", "search")
 
 
 def _scores_at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

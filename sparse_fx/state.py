@@ -11,7 +11,7 @@ from .measure import Measurements
 from .plan import Plan
 from .runtime.state import Encoders, SideCaches
 
-SIDE_CACHE_ROLES = {"hash": {"sparse"}, "prism": {"proposal"}, "static": {"proposal"}}
+SIDE_CACHE_ROLES = {"hash": {"sparse"}, "prism": {"proposal", "search"}, "static": {"proposal", "search"}}
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ class SparseState:
     mode: str | None = None
     strict: bool = False
     measurements: Measurements | None = None
+    search: bool = False  # calibration: every sparse layer can propose, per a flag (see set_roles)
     side_caches: SideCaches = field(default_factory=SideCaches)
     reports: list[GraphReport] = field(default_factory=list)
     _unfilled: set[int] = field(default_factory=set)
@@ -103,6 +104,25 @@ class SparseState:
     def __post_init__(self) -> None:
         dense = set(self.plan.dense_layers) | set(self.info.sliding_layers)
         self.roles = dataclasses.replace(self.plan, dense_layers=tuple(sorted(dense))).layer_roles(self.info.num_layers)
+        if self.search:
+            self.roles = ["dense" if r == "dense" else "search" for r in self.roles]
+        self._flags: torch.Tensor | None = None
+
+    def role_flags(self, device: torch.device) -> torch.Tensor:
+        """[layers] bool on `device`: which search layers propose (True) or refine (False)."""
+        if self._flags is None:
+            self._flags = torch.tensor([r in ("proposal", "search") for r in self.roles])
+        if self._flags.device != device:  # only before the first compile: graphs hold the tensor
+            self._flags = self._flags.to(device)
+        return self._flags
+
+    def set_roles(self, roles: list[str]) -> None:
+        """Search mode: make `roles` (proposal / refined / dense per layer) take effect in place."""
+        flags = torch.tensor([r == "proposal" for r in roles])
+        if self._flags is None:
+            self._flags = flags
+        else:
+            self._flags.copy_(flags)
 
     def role(self, layer: int) -> str:
         return self.roles[layer] if 0 <= layer < len(self.roles) else "dense"

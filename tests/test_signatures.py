@@ -1,0 +1,95 @@
+"""Learned signature encoders: training lowers the loss, files round-trip, fingerprints guard, CLI."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import sparse_fx
+from families import tiny_model
+from sparse_fx.train import TrainConfig, capture_windows, fingerprint, train_on_windows
+
+SMALL = dict(context=400, queries=24, top=8, epochs=25, lr=3e-3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(1, 128, (3, 400), generator=torch.Generator().manual_seed(0))
+    enc = sparse_fx.train_signatures(model, ids, progress=False, **SMALL)
+    return model, enc
+
+
+def test_training_lowers_the_loss_and_is_deterministic(trained):
+    model, enc = trained
+    loss = enc.metadata["loss_per_epoch"]
+    assert loss[-1] < 0.8 * loss[0], loss
+    again = sparse_fx.train_signatures(model, torch.randint(1, 128, (3, 400), generator=torch.Generator().manual_seed(0)),
+                                       progress=False, **SMALL)
+    assert all(torch.equal(a, b) for a, b in zip(enc.layer(1).key.weights, again.layer(1).key.weights))
+
+
+def test_trained_encoders_beat_random_ones_on_their_own_objective():
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(1, 128, (3, 400), generator=torch.Generator().manual_seed(1))
+    cfg = TrainConfig(**SMALL)
+    data = capture_windows(model, ids, cfg, progress=False)
+    _, history = train_on_windows(data, TrainConfig(**{**SMALL, "epochs": 1, "lr": 0.0}), progress=False)
+    _, trained_history = train_on_windows(data, cfg, progress=False)
+    assert trained_history[-1] < history[0]
+
+
+def test_save_load_round_trip_and_compile_from_path(trained, tmp_path):
+    model, enc = trained
+    enc.save(tmp_path / "enc")
+    back = sparse_fx.SignatureEncoders.load(tmp_path / "enc")
+    assert back.fingerprint == enc.fingerprint == fingerprint(model) and back.bits == 32
+    for a, b in zip(enc.layers, back.layers):
+        for x, y in zip(a.query.params() + a.key.params(), b.query.params() + b.key.params()):
+            assert torch.equal(x, y)
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for source in (enc, str(tmp_path / "enc")):
+        m = sparse_fx.compile(copy.deepcopy(model), "hash", encoders=source, backend="eager", budget=4, sink=2, local=2)
+        cache = StaticCache(config=m.config, max_cache_len=32)
+        with torch.no_grad():
+            m(ids[:, :20], past_key_values=cache)
+            outs.append(torch.cat([m(ids[:, t : t + 1], past_key_values=cache).logits for t in range(20, 30)]))
+    torch.testing.assert_close(outs[0], outs[1])
+    lsh = sparse_fx.compile(copy.deepcopy(model), "hash", backend="eager", budget=4, sink=2, local=2)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        lsh(ids[:, :20], past_key_values=cache)
+        lsh_out = torch.cat([lsh(ids[:, t : t + 1], past_key_values=cache).logits for t in range(20, 30)])
+    assert (lsh_out - outs[0]).abs().max() > 1e-4, "trained encoders must change the selection"
+
+
+def test_fingerprint_and_bits_mismatch_are_clear_errors(trained, tmp_path):
+    _, enc = trained
+    other = tiny_model("llama", layers=3)
+    with pytest.raises(ValueError, match="trained for another model.*num_layers: trained 2, model 3"):
+        sparse_fx.compile(other, "hash", encoders=enc)
+    with pytest.raises(ValueError, match="make 32-bit signatures but the plan asks for bits=64"):
+        sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=enc, bits=64)
+    with pytest.raises(ValueError, match="holds no signature encoders"):
+        sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path / "nothing")
+
+
+def test_cli_help():
+    out = subprocess.run([sys.executable, "-m", "sparse_fx", "train-signatures", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--out" in out.stdout and "--context" in out.stdout
+
+
+@pytest.mark.model
+def test_cli_trains_and_saves_smollm2_encoders(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "sparse_fx", "train-signatures", "--model", "smollm2", "--out", str(tmp_path / "e"),
+         "--context", "512", "--windows", "1", "--epochs", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    enc = sparse_fx.SignatureEncoders.load(tmp_path / "e")
+    assert enc.fingerprint["num_layers"] == 30 and enc.metadata["data"]["windows"] == 1
