@@ -65,10 +65,10 @@ def _sparse_attn_kernel(
     sob, soh, sod,
     G: tl.constexpr,  # query heads per KV head: one program serves all of them, so K/V rows are read once
     G_PAD: tl.constexpr,  # G padded to a tl.dot width (>= 16); padded rows are never stored
-    D: tl.constexpr,
+    D: tl.constexpr,  # head dims (powers of two): whole rows in registers, unrolled dots
     DV: tl.constexpr,
     BLOCK_N: tl.constexpr,  # selected rows gathered per step
-    HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # no mask: no mask loads compiled in
     MASK_BOOL: tl.constexpr,  # bool mask (uint8 view): False -> -inf; else additive float
     MASK_HEADS: tl.constexpr,  # mask heads per KV head: G (per-head mask) or 1 (broadcast, stride 0)
     SPLIT: tl.constexpr,  # several programs per row: write partials for the combine kernel

@@ -159,8 +159,8 @@ def _int2_scores_kernel(
     sob, soh, sol,
     G: tl.constexpr,  # query heads per KV head: all scored in one program, so codes are read once
     G_PAD: tl.constexpr,  # G padded to a tl.dot width (>= 16)
-    D: tl.constexpr,
-    M: tl.constexpr,  # groups per key
+    D: tl.constexpr,  # head dim (power of two)
+    M: tl.constexpr,  # groups per key: one MMA per group, then scale and zero per key
     BLOCK_L: tl.constexpr,  # keys per loop step (rows of the per-group MMA)
     DOT_PRECISION: tl.constexpr,  # "tf32" is exact for fp16/bf16 queries x codes 0..3; "ieee" for fp32 queries
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter

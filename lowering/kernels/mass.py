@@ -62,10 +62,10 @@ def _mass_logits_kernel(
     smb, smh, sml,
     G: tl.constexpr,  # query heads per KV head: each candidate K row is read once for all of them
     G_PAD: tl.constexpr,  # tl.dot width (>= 16)
-    D: tl.constexpr,
+    D: tl.constexpr,  # head dim (power of two)
     BLOCK_N: tl.constexpr,  # candidates per step
     HAS_POS: tl.constexpr,  # candidates are positions[b, h, :] (gathered rows) instead of slots 0..N-1
-    HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # no mask: every candidate row is readable, no mask loads
     MASK_BOOL: tl.constexpr,  # bool masks only gate readability; float masks are also added per head
     MASK_HEADS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact

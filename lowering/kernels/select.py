@@ -6,8 +6,8 @@ No sort, and no histogram over the whole row. Every score becomes an order-prese
 
 1. `sample`   (one program per row) reads a stratified sample of S candidates (S/8 runs of 8
               contiguous ones; the whole row when N <= S), and bisects it for two keys that bracket
-              the k-th largest key of the row with high probability: T_hi at sample rank
-              r - delta, T_lo at rank r + delta, r = k S / N. When N <= S the bracket is exact
+              the k-th largest key of the row with high probability (an 8-way search): T_hi at
+              sample rank r - delta, T_lo at rank r + delta, r = k S / N. When N <= S the bracket is exact
               (T_lo = T_hi = the k-th key). It also zeroes the row's counters.
 2. `filter`   (several programs per row, grid-stride, one pass over the scores) writes every
               candidate above T_hi straight into the output (slots from an atomic counter), appends
@@ -15,7 +15,7 @@ No sort, and no histogram over the whole row. Every score becomes an order-prese
               entries, and counts the eligible candidates.
 3. `resolve`  (one program per row) writes the sink/local window, checks the bracket held (above
               <= k <= above + inside, buffer not overflowed), picks the missing k - above entries
-              from the buffer (bisection for the exact threshold key, ties broken by buffer order;
+              from the buffer (search for the exact threshold key, ties broken by buffer order;
               a bracket of one key value takes any of them), pads with -1, or flags the row.
 4. `fallback` (one program per row; returns at once unless flagged) redoes a flagged row exactly
               by bisection over the whole row. Rare: the sample missed, or a wide bracket held more
@@ -59,8 +59,15 @@ DELTA_REL = 1.0 / 16
 DELTA_ABS = 8.0
 FILTER_BLOCK = 1024
 RESOLVE_BLOCK = 16384  # bracket candidates a resolve program bisects in registers (more: looped from L2)
-SCAN_BLOCK = 1024  # chunk of the looped paths (resolve overflow, fallback)
+SCAN_BLOCK = 2048  # chunk of the looped paths (window, copies, resolve overflow, fallback)
+SEARCH_WAYS = 8  # thresholds per block-wide count in the sample / resolve searches
 
+# Flags shared by the selection kernels (constexpr, so each combination compiles only its code):
+#   HAS_POS     candidates are positions[b, h, :] (a Prism pool) rather than slots 0..N-1
+#   HAS_MASK    gather the mask at each candidate (and window position): a position is eligible
+#               when any query head of the KV head may read it (reference.valid_positions)
+#   MASK_BOOL   bool mask (read as uint8) vs additive float (masked when <= finfo.min / 2)
+#   MASK_HEADS  mask heads per KV head: G for a per-query-head mask, else 1 (broadcast, stride 0)
 SCORE_DTYPES = FLOAT_DTYPES + (torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -89,21 +96,27 @@ def _row_keys(
 
 
 @triton.jit
-def _bisect_regs(key, j, lo, hi, slack):
-    """A key t in [lo, hi] with j <= count(key >= t) <= j + slack, keys in registers; with slack 0,
-    the largest t with count(key >= t) >= j (lo when there is none).
+def _search_regs(key, j, lo, hi, slack, WAYS: tl.constexpr):
+    """A key t in [lo, hi] with j <= count(key >= t) <= j + slack, keys in registers. With slack 0,
+    count(key >= t) >= j and count(key > t) <= j: a top-j cut (take every key > t, then keys == t
+    up to j). Returns lo when count(key >= lo) < j.
 
-    Invariant: the answer lies in [lo, hi]. Each step is one block-wide count, so callers narrow
-    [lo, hi] to the keys' min / max first and the sample bracket accepts a few ranks of slack.
+    WAYS-way search: each step counts the keys at WAYS thresholds in one block-wide reduction and
+    keeps the sub-range holding the answer (log2(WAYS) bits per reduction, the latency that
+    matters in these one-program-per-row kernels). Callers start from the keys' min / max.
     """
+    i = tl.arange(0, WAYS)
     done = lo >= hi
     while not done:
-        mid = lo + (hi - lo + 1) // 2
-        c = tl.sum((key >= mid).to(tl.int32), axis=0)
-        ok = c >= j
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-        done = (lo >= hi) | (ok & (c <= j + slack))
+        span = hi - lo + 1
+        t = lo + (span * i) // WAYS  # t[0] = lo
+        c = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), axis=0)
+        ok = c >= j  # non-increasing in i; equal thresholds give equal counts, so the largest i of a
+        best = tl.max(tl.where(ok, i, 0), axis=0)  # run is taken and the next threshold is larger
+        c_best = tl.sum(tl.where(i == best, c, 0), axis=0)
+        hi = tl.where(best == WAYS - 1, hi, lo + (span * (best + 1)) // WAYS - 1)
+        lo = lo + (span * best) // WAYS
+        done = (lo >= hi) | ((c_best >= j) & (c_best <= j + slack))
     return lo
 
 
@@ -135,6 +148,7 @@ def _sample_kernel(
     Hkv, N, L, now_off, sink, local, min_half, RANK_HI, RANK_LO, SLACK, RUN_STRIDE,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
     S: tl.constexpr,  # sampled candidates (all of them in registers)
+    WAYS: tl.constexpr,  # thresholds counted per block-wide reduction of the searches
     RUN: tl.constexpr,  # contiguous candidates per sample run
     HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
 ):
@@ -157,9 +171,9 @@ def _sample_kernel(
     hi0 = tl.max(key, axis=0).to(tl.int64)
     # T_hi may sit up to SLACK ranks above RANK_HI, T_lo up to SLACK below RANK_LO: the bracket only
     # widens, and the early stop saves block-wide counts
-    t_hi = _bisect_regs(key, tl.maximum(RANK_HI - SLACK, 1), lo0, hi0, SLACK)
+    t_hi = _search_regs(key, tl.maximum(RANK_HI - SLACK, 1), lo0, hi0, SLACK, WAYS)
     t_hi = tl.where(RANK_HI < 1, KEY_MAX, tl.where(RANK_HI > n_s, KEY_NEGINF, t_hi))
-    t_lo = _bisect_regs(key, RANK_LO, lo0, hi0, SLACK)
+    t_lo = _search_regs(key, RANK_LO, lo0, hi0, SLACK, WAYS)
     t_lo = tl.where(RANK_LO < 1, KEY_MAX, tl.where(RANK_LO > n_s, KEY_NEGINF, t_lo))
     tl.store(state_ptr + r * 2, t_lo.to(tl.int32))
     tl.store(state_ptr + r * 2 + 1, t_hi.to(tl.int32))
@@ -264,7 +278,8 @@ def _resolve_kernel(
     tpos_ptr, mask_ptr, out_ptr, state_ptr, cnt_ptr, ckey_ptr, cpos_ptr, fail_ptr,
     Hkv, L, now_off, sink, local, min_half, K, KK, WIN, CAP,
     smb, smh, sml, sob, soh, sok,
-    RES_BLOCK: tl.constexpr,  # bracket candidates bisected in registers; beyond, a looped count
+    RES_BLOCK: tl.constexpr,  # bracket candidates searched in registers; beyond, a looped bisection
+    WAYS: tl.constexpr,
     BLOCK: tl.constexpr,  # chunk of the window / padding / copy loops
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
 ):
@@ -318,7 +333,7 @@ def _resolve_kernel(
                     keys = tl.load(ckey_row + jj, mask=live, other=KEY_NONE)
                     lo = tl.min(tl.where(live, keys, KEY_MAX), axis=0).to(tl.int64)
                     hi = tl.max(keys, axis=0).to(tl.int64)
-                    thr = _bisect_regs(keys, m, lo, hi, 0)
+                    thr = _search_regs(keys, m, lo, hi, 0, WAYS)
                     n_gt = tl.sum((keys > thr).to(tl.int32), axis=0)
                 else:
                     while lo < hi:
@@ -485,7 +500,7 @@ def select_topk_impl(scores, pos, k, sink, local, mask=None, positions=None, *,
         scores, pos_t, pos, ma.tensor, state, cnt,
         *common, rank_hi, rank_lo, slack, run_stride,
         *strides,
-        S=S, RUN=run, **flags,
+        S=S, WAYS=SEARCH_WAYS, RUN=run, **flags,
         num_warps=8,
     )
     progs = programs_per_row(R, triton.cdiv(N, FILTER_BLOCK), dev, waves=STREAM_WAVES)
@@ -500,7 +515,7 @@ def select_topk_impl(scores, pos, k, sink, local, mask=None, positions=None, *,
         pos, ma.tensor, out, state, cnt, ckey, cpos, fail,
         Hkv, L, now_off, sink, local, ma.min_half, k, kk, WIN, cap,
         ma.sb, ma.sh, ma.sl, *out.stride(),
-        RES_BLOCK=RESOLVE_BLOCK, BLOCK=SCAN_BLOCK,
+        RES_BLOCK=RESOLVE_BLOCK, WAYS=SEARCH_WAYS, BLOCK=SCAN_BLOCK,
         HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
         num_warps=8,
     )
