@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="distinct layers cycled per step (fewer when memory is short)")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (its compiles take ~10 s per shape)")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
+    p.add_argument("--profile", action="store_true", help="print each kernel's time per step (torch.profiler)")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds; later measurements shrink or skip past it")
     p.add_argument("--mem-fraction", type=float, default=0.7, help="of free GPU memory a shape may use")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/kernels-<date>.json)")
@@ -319,18 +320,21 @@ def bytes_model(method: str, B, L, budget, pool, a) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------ runs
-def fallback_rows(steps: Steps, method: str) -> int:
-    """How many (batch, KV head) rows of this step's selections needed the slow exact fallback."""
-    st, a = steps.st, steps.a
-    n = 0
-    if method == "hash":
-        for s in steps._cache["hs"]:
-            n += int(K.select_topk_impl(s, st.pos, steps.budget, a.sink, a.local, st.mask)[1].sum())
-    else:
-        n += int(K.select_topk_impl(steps._cache["ps"], st.pos, steps.pool, a.sink, a.local, st.mask)[1].sum())
-        for s in steps._cache["rs"]:
-            n += int(K.select_topk_impl(s, st.pos, steps.budget, a.sink, a.local, st.mask, steps._cache["pool"])[1].sum())
-    return n
+def profile_kernels(steps: Steps, title: str) -> None:
+    """Per-kernel CUDA time of one hash step and one prism-g4 group step (averaged over 3)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in (("hash", steps.hash_step), ("prism-g4 group", steps.prism_step)):
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+        print(f"  profile {title} {name} (us per step, all {steps.st.nl if name == 'hash' else 4} layers):")
+        for e in rows:
+            print(f"    {e.device_time_total / 3:9.1f}  x{e.count // 3:<3} {e.key[:70]}")
 
 
 def run_gpu(a) -> dict:
@@ -422,11 +426,12 @@ def run_gpu(a) -> dict:
                         steps.hash_step()
                     else:
                         steps.prism_step()
-                    rec["fallback_rows"] = fallback_rows(steps, m)
                     row[m] = rec
                     share = f" select {100 * rec['select_share']:.0f}%" if "select_share" in rec else ""
                     print(f"    {m:5s} budget {spec:>5} (k={budget:>5}) {total:.4f} ms/layer  x{rec['speedup']:.1f} vs sdpa"
-                          f"{share}  {rec['gbps_est']:.0f} GB/s est  fallback rows {rec['fallback_rows']}", flush=True)
+                          f"{share}  {rec['gbps_est']:.0f} GB/s est", flush=True)
+                if a.profile:
+                    profile_kernels(steps, f"L={L} B={B} budget {spec}")
                 shape["sparse"].append(row)
                 del steps
             del st, sdpa, hf
@@ -436,7 +441,7 @@ def run_gpu(a) -> dict:
 
 
 def summary_table(res: dict) -> str:
-    lines = ["context  B  budget   k      sdpa ms   hash ms (x)       prism ms (x)     sel% h/p  fallback"]
+    lines = ["context  B  budget   k      sdpa ms   hash ms (x)       prism ms (x)     sel% h/p"]
     for sh in res["shapes"]:
         if "sdpa" not in sh["dense"]:
             lines.append(f"{sh['context']:>7} {sh['batch']:>2}  skipped: {'; '.join(sh['notes'])}")
@@ -446,8 +451,7 @@ def summary_table(res: dict) -> str:
             sel = (f"{100 * h.get('select_share', float('nan')):.0f}/{100 * p.get('select_share', float('nan')):.0f}")
             lines.append(
                 f"{sh['context']:>7} {sh['batch']:>2}  {row['budget']:>6} {row['k']:>5}  {sh['dense']['sdpa']:9.4f}"
-                f"  {h['ms']:8.4f} ({h['speedup']:5.1f})  {p['ms']:8.4f} ({p['speedup']:5.1f})  {sel:>8}"
-                f"  {h['fallback_rows']}/{p['fallback_rows']}")
+                f"  {h['ms']:8.4f} ({h['speedup']:5.1f})  {p['ms']:8.4f} ({p['speedup']:5.1f})  {sel:>8}")
     return "\n".join(lines)
 
 
@@ -518,8 +522,7 @@ def run_smoke(a) -> None:
                         for o, i, idx in zip(outs, layers, idxs))
             minimal, est = bytes_model(m, B, L, budget, kern.pool, a)
             print(f"smoke {m:5s} L={L} B={B} budget {spec:>4} (k={budget}): {ms:8.1f} ms/step (interpreter)  "
-                  f"|scores - ref| {err_s:.1e}  |out - ref| {err_o:.1e}  bytes/layer {minimal}..{est}  "
-                  f"fallback rows {fallback_rows(kern, m)}")
+                  f"|scores - ref| {err_s:.1e}  |out - ref| {err_o:.1e}  bytes/layer {minimal}..{est}")
             assert err_s < 1e-3 and err_o < 1e-4, f"{m}: kernels disagree with the reference"
     sdpa, hf = dense_steps(st, a)
     err = max((x - y).abs().max().item() for x, y in zip(sdpa(), hf()))

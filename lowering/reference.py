@@ -104,16 +104,24 @@ def popcount32(x: torch.Tensor) -> torch.Tensor:
     return ((x * 0x01010101) & 0xFFFFFFFF) >> 24
 
 
+def hamming_dtype(groups: int, words: int) -> torch.dtype:
+    """The narrowest dtype holding scores 0..G*32*W: uint8 for 32-bit signatures and G <= 7 (a
+    quarter of the bytes the selection reads, and 256 exact histogram bins), else int16 / int32."""
+    top = groups * words * WORD_BITS
+    return torch.uint8 if top <= 255 else torch.int16 if top <= 32767 else torch.int32
+
+
 def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
     """Similarity (bits - Hamming distance), summed over the query heads of each KV head.
 
-    q_sig [B,Hq,W] int32, k_sig [B,Hkv,L,W] int32 -> [B,Hkv,L] int32 in [0, G*32*W].
+    q_sig [B,Hq,W] int32, k_sig [B,Hkv,L,W] int32 -> [B,Hkv,L] in [0, G*32*W], as
+    `hamming_dtype(G, W)`.
     """
     B, Hq, W = q_sig.shape
     Hkv = k_sig.shape[1]
     qg = q_sig.reshape(B, Hkv, Hq // Hkv, 1, W)
     dist = popcount32(qg ^ k_sig[:, :, None]).sum(-1)  # [B,Hkv,G,L]
-    return ((W * WORD_BITS - dist).sum(2)).to(torch.int32)
+    return ((W * WORD_BITS - dist).sum(2)).to(hamming_dtype(Hq // Hkv, W))
 
 
 def signature_write(

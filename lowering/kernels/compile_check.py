@@ -125,6 +125,7 @@ def _scenarios():
     yield "int2_scores fp32", lambda: int2_scores(q.float(), codes, sc, sc)
     yield "mass_scores pool", lambda: mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: mass_scores(q, k, None, mask_b)
+    yield "select_topk uint8", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
     yield "select_topk int", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.int32), pos, 256, 128, 128, mask_f)
     yield "select_topk pool", lambda: select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
                                                   mask_b, pool)

@@ -13,9 +13,19 @@ import triton
 import triton.language as tl
 
 from ..reference import INT2_CODES_PER_WORD
-from .common import FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, is_pow2, on_kernel_device, pow2, programs_per_row
+from .common import (
+    FLOAT_DTYPES,
+    STREAM_STAGES,
+    STREAM_WAVES,
+    interpreting,
+    is_pow2,
+    on_kernel_device,
+    pow2,
+    programs_per_row,
+    upcast_dot,
+)
 
-INT2_BLOCK_L = 64  # keys per step of the score scan (tune on the GPU: 64-256)
+INT2_BLOCK_L = 128  # keys per step of the score scan (rows of each per-word MMA)
 
 
 # ---------------------------------------------------------------------------------- write
@@ -118,32 +128,32 @@ def int2_write(codes, scale, zero, k, pos, reset: bool = False) -> None:
 def _int2_scores_block(
     q_row, c_row, s_row, z_row, o_row, start, L, sqh, sqd, scl, scw, ssl, ssm, szl, szm, sol,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_L: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
 ):
+    """Scores of BLOCK_L keys: per 16-channel word, one [BLOCK_L, 16] x [16, G_PAD] MMA of the
+    codes (exact in the operand dtype) against the queries, summed per scale group."""
     GS: tl.constexpr = D // M
     WPG: tl.constexpr = GS // 16
     g = tl.arange(0, G_PAD)
     gmask = g < G
-    dd = tl.arange(0, GS)
-    j = tl.arange(0, WPG)
     shifts = 2 * tl.arange(0, 16)
+    c16 = tl.arange(0, 16)
     offs = start + tl.arange(0, BLOCK_L)
     live = offs < L
     o64 = offs.to(tl.int64)
     acc = tl.zeros([BLOCK_L, G_PAD], dtype=tl.float32)
     for m in tl.static_range(M):
-        words = tl.load(c_row + o64[:, None] * scl + (m * WPG + j)[None, :] * scw, mask=live[:, None], other=0)
-        code = (words[:, :, None] >> shifts[None, None, :]) & 3
-        # int -> float without the (slow) conversion unit: 2**23 + code has code in its low mantissa bits
-        cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        cf = tl.reshape(cf, (BLOCK_L, GS))
-        qm = tl.load(q_row + g[None, :] * sqh + (m * GS + dd)[:, None] * sqd, mask=gmask[None, :], other=0.0)
-        qm = qm.to(tl.float32)  # [GS, G_PAD]
-        dot = tl.dot(cf, qm, input_precision=DOT_PRECISION)
-        s = tl.load(s_row + o64 * ssl + m * ssm, mask=live, other=0.0).to(tl.float32)
+        dot = tl.zeros([BLOCK_L, G_PAD], dtype=tl.float32)
+        qsum = tl.zeros([G_PAD], dtype=tl.float32)
+        for w in tl.static_range(WPG):
+            word = tl.load(c_row + o64 * scl + (m * WPG + w) * scw, mask=live, other=0)
+            code = (word[:, None] >> shifts[None, :]) & 3  # [BLOCK_L, 16]
+            qw = tl.load(q_row + g[None, :] * sqh + (m * GS + w * 16 + c16)[:, None] * sqd, mask=gmask[None, :], other=0.0)
+            dot = tl.dot(code.to(OP_DTYPE), qw.to(OP_DTYPE), dot, input_precision=DOT_PRECISION)
+            qsum += tl.sum(qw.to(tl.float32), axis=0)
+        sc = tl.load(s_row + o64 * ssl + m * ssm, mask=live, other=0.0).to(tl.float32)
         z = tl.load(z_row + o64 * szl + m * szm, mask=live, other=0.0).to(tl.float32)
-        qsum = tl.sum(qm, axis=0)
-        acc += s[:, None] * dot + z[:, None] * qsum[None, :]
+        acc += sc[:, None] * dot + z[:, None] * qsum[None, :]
     acc = tl.where(gmask[None, :], acc, float("-inf"))
     tl.store(o_row + o64 * sol, tl.max(acc, axis=1), mask=live)
 
@@ -162,7 +172,8 @@ def _int2_scores_kernel(
     D: tl.constexpr,  # head dim (power of two)
     M: tl.constexpr,  # groups per key: one MMA per group, then scale and zero per key
     BLOCK_L: tl.constexpr,  # keys per loop step (rows of the per-group MMA)
-    DOT_PRECISION: tl.constexpr,  # "tf32" is exact for fp16/bf16 queries x codes 0..3; "ieee" for fp32 queries
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 queries (exact); bf16/fp16 queries and codes 0..3 are exact as is
+    OP_DTYPE: tl.constexpr,  # MMA operand dtype: the query's (codes 0..3 are exact in every float dtype)
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
     pid = tl.program_id(0)
@@ -177,13 +188,16 @@ def _int2_scores_kernel(
     if USE_FOR:
         for start in tl.range(pid * BLOCK_L, L, PROGS * BLOCK_L):  # grid-stride
             _int2_scores_block(q_row, c_row, s_row, z_row, o_row, start, L, sqh, sqd, scl, scw, ssl, ssm, szl, szm,
-                               sol, G, G_PAD, D, M, BLOCK_L, DOT_PRECISION)
+                               sol, G, G_PAD, D, M, BLOCK_L, DOT_PRECISION, OP_DTYPE)
     else:
         start = pid * BLOCK_L
         while start < L:
             _int2_scores_block(q_row, c_row, s_row, z_row, o_row, start, L, sqh, sqd, scl, scw, ssl, ssm, szl, szm,
-                               sol, G, G_PAD, D, M, BLOCK_L, DOT_PRECISION)
+                               sol, G, G_PAD, D, M, BLOCK_L, DOT_PRECISION, OP_DTYPE)
             start += PROGS * BLOCK_L
+
+
+_OP_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def int2_scores_supported(q, codes, scale, zero) -> bool:
@@ -227,6 +241,7 @@ def int2_scores(q, codes, scale, zero) -> torch.Tensor:
         *codes.stride(), *scale.stride(), *zero.stride(), *out.stride(),
         G=G, G_PAD=max(16, pow2(G)), D=D, M=M, BLOCK_L=BLOCK_L,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        OP_DTYPE=_OP_DTYPE[torch.float32 if upcast_dot(q.dtype) else q.dtype],
         USE_FOR=not interpreting(),
         num_warps=4, num_stages=STREAM_STAGES,
     )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import WORD_BITS
+from ..reference import WORD_BITS, hamming_dtype
 from .common import FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, on_kernel_device, pow2, programs_per_row
 
 
@@ -181,7 +181,7 @@ def _hamming_block(q_row, k_row, o_row, start, L, sqh, sqw, skl, skw, sol,
                 dist += _byte_sum(acc)
                 acc = tl.zeros([BLOCK_L], dtype=tl.int32)
     dist += _byte_sum(acc)
-    tl.store(o_row + offs * sol, G * W * 32 - dist, mask=live)
+    tl.store(o_row + offs * sol, (G * W * 32 - dist).to(o_row.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -228,10 +228,11 @@ def hamming_scores_supported(q_sig: torch.Tensor, k_sig: torch.Tensor) -> bool:
 
 
 def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
-    """[B,Hq,W] x [B,Hkv,L,W] int32 -> [B,Hkv,L] int32: sum over the group of 32W - Hamming."""
+    """[B,Hq,W] x [B,Hkv,L,W] int32 -> [B,Hkv,L] (reference.hamming_dtype): sum over the group of
+    32W - Hamming."""
     B, Hq, W = q_sig.shape
     Hkv, L = k_sig.shape[1], k_sig.shape[2]
-    out = torch.empty(B, Hkv, L, dtype=torch.int32, device=k_sig.device)
+    out = torch.empty(B, Hkv, L, dtype=hamming_dtype(Hq // Hkv, W), device=k_sig.device)
     if B * Hkv * L == 0:
         return out
     BLOCK_L = 1024 if L >= 1024 else max(16, pow2(L))
