@@ -65,7 +65,7 @@ class MaskArgs:
     """Kernel arguments for an SDPA mask [B|1, 1|Hq, 1, L] read per KV head.
 
     `heads` is how many mask heads one KV head owns (G when the mask has Hq heads, else 1); the
-    strides of broadcast dims are 0. Bool masks are passed as uint8 views (no copy).
+    strides of broadcast dims are 0.
     """
 
     def __init__(self, mask: torch.Tensor | None, kv_heads: int, dummy: torch.Tensor):
@@ -76,7 +76,7 @@ class MaskArgs:
             self.min_half = 0.0
             return
         self.is_bool = mask.dtype == torch.bool
-        self.tensor = mask.view(torch.uint8) if self.is_bool else mask
+        self.tensor = mask  # bool masks go in as is: a dtype view would not survive functionalization
         self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
         self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
         self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
