@@ -145,6 +145,8 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
             row["ttft_s"] = time_prefill(model.forward if method in ("hash", "prism-g4") else original_forward, model, n) + step
     except torch.OutOfMemoryError:
         row["error"] = "does not fit in GPU memory"
+    except Exception as e:  # noqa: BLE001 - one method failing must not lose the others' numbers
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     finally:
         cache = None
         model.forward = original_forward
