@@ -76,7 +76,9 @@ class MaskArgs:
             self.min_half = 0.0
             return
         self.is_bool = mask.dtype == torch.bool
-        self.tensor = mask  # bool masks go in as is: a dtype view would not survive functionalization
+        # a fresh uint8 copy (B x L bytes): under torch.compile, functionalization treats tensors a
+        # kernel receives as possibly written, and re-syncing the model's expanded bool mask fails
+        self.tensor = mask.to(torch.uint8) if self.is_bool else mask
         self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
         self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
         self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
