@@ -80,9 +80,10 @@ class MaskArgs:
         # kernel receives as possibly written, and re-syncing the model's expanded bool mask fails
         self.tensor = mask.to(torch.uint8) if self.is_bool else mask
         self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
-        self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
-        self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
-        self.sl = mask.stride(3)
+        t = self.tensor  # the copy's strides, not the view's
+        self.sb = 0 if t.shape[0] == 1 else t.stride(0)
+        self.sh = 0 if t.shape[1] == 1 else t.stride(1)
+        self.sl = t.stride(3)
         # a float mask value at or below half the dtype's minimum means "masked" (reference.valid_positions)
         self.min_half = 0.0 if self.is_bool else float(torch.finfo(mask.dtype).min) / 2
 
