@@ -88,6 +88,8 @@ def _sparse_attn_kernel(
     v_row = v_ptr + b * svb + h * svh
     idx_row = idx_ptr + b * sib + h * sih
     mask_row = mask_ptr + b * smb + (h * MASK_HEADS) * smh
+    # Inductor may hand a Python float in as fp64: pin it to fp32 so the loop-carried state stays fp32
+    sm_scale = tl.full([], sm_scale, tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)

@@ -85,6 +85,8 @@ def _mass_logits_kernel(
     mask_ptr_b = mask_ptr + b * smb
     mask_row = mask_ptr_b + (h * MASK_HEADS) * smh
     scr_row = scr_ptr + r.to(tl.int64) * G * N
+    # Inductor may hand a Python float in as fp64: pin it to fp32 so the loop-carried state stays fp32
+    sm_scale = tl.full([], sm_scale, tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     lo = sp * SPLIT_LEN
