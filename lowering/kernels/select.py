@@ -17,8 +17,7 @@ from their histograms in its prologue (a 256-entry scan), so no pass waits on a 
 
 Ties of equal keys are taken by arrival (the reference allows any); so is a final bin holding more
 than BUF candidates (then the result is exact up to 256 units in the last place of the scores).
-`compact` reserves output slots with one atomic per taken candidate (a few percent of a row), and
-also writes the sink / local window and the -1 padding.
+`compact` also writes the sink / local window and the -1 padding.
 """
 
 from __future__ import annotations
@@ -224,19 +223,21 @@ def _compact_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, 
                       HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
     k64 = key.to(tl.int64)
     live = key != KEY_NONE
-    # one atomic per taken candidate (a few percent of the row) reserves its slot: no block-wide scan
-    ones = tl.full(key.shape, 1, tl.int64)
-    up = live & (k64 >= top)
-    slot = tl.atomic_add(st + 3 + tl.zeros(key.shape, tl.int32), ones, mask=up, sem="relaxed")
-    tl.store(out_row + slot * sok, cand.to(tl.int32), mask=up)
-    tie = live & (k64 >= lo) & (k64 < top)
-    rank = tl.atomic_add(st + 4 + tl.zeros(key.shape, tl.int32), ones, mask=tie, sem="relaxed")
-    if USE_BUF:
-        keep = tie & (rank < CAP)
-        tl.store(bkey_row + rank, key, mask=keep)
-        tl.store(bpos_row + rank, cand.to(tl.int32), mask=keep)
-    else:
-        tl.store(out_row + (above + rank) * sok, cand.to(tl.int32), mask=tie & (above + rank < need))
+    up = (live & (k64 >= top)).to(tl.int32)
+    n_up = tl.sum(up, axis=0)
+    if n_up > 0:
+        slot = tl.atomic_add(st + 3, n_up.to(tl.int64), sem="relaxed") + tl.cumsum(up, axis=0) - 1
+        tl.store(out_row + slot * sok, cand.to(tl.int32), mask=up != 0)
+    tie = (live & (k64 >= lo) & (k64 < top)).to(tl.int32)
+    n_tie = tl.sum(tie, axis=0)
+    if n_tie > 0:
+        rank = tl.atomic_add(st + 4, n_tie.to(tl.int64), sem="relaxed") + tl.cumsum(tie, axis=0) - 1
+        if USE_BUF:
+            keep = (tie != 0) & (rank < CAP)
+            tl.store(bkey_row + rank, key, mask=keep)
+            tl.store(bpos_row + rank, cand.to(tl.int32), mask=keep)
+        else:
+            tl.store(out_row + (above + rank) * sok, cand.to(tl.int32), mask=(tie != 0) & (above + rank < need))
 
 
 @triton.jit
