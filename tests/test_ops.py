@@ -132,6 +132,8 @@ def test_hamming_scores_equal_bit_by_bit_reference(B, Hkv, G, L, W, seed):
     q = torch.randint(-(2**31), 2**31 - 1, (B, Hkv * G, W), generator=g, dtype=torch.int64).int()
     k = torch.randint(-(2**31), 2**31 - 1, (B, Hkv, L, W), generator=g, dtype=torch.int64).int()
     got = OPS.hamming_scores(q, k)
+    assert got.dtype == ref.hamming_dtype(G, W)  # narrowest dtype holding 0..G*32*W
+    got = got.to(torch.int32)
     qb, kb = bits_of(q), bits_of(k)
     expect = torch.zeros(B, Hkv, L, dtype=torch.int32)
     for b in range(B):
