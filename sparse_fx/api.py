@@ -63,6 +63,7 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     plan = Plan.parse(plan, **plan_options)
     if encoders is not None and plan.method != "hash":
         raise ValueError(f"sparse_fx: encoders only apply to the hash plan, not {plan.name!r}")
+    encoders = encoders if encoders is not None else plan.encoders
     info = ModelInfo.of(model)
     info.check_plan(plan)
     trained = _load_encoders(encoders, model, plan) if encoders is not None else None

@@ -16,7 +16,7 @@ from pathlib import Path
 METHODS = ("dense", "oracle", "hash", "prism", "static")
 GROUPED = ("prism", "static")
 ROLES = ("dense", "sparse", "proposal", "refined")
-PLAN_NAMES = "dense, oracle, hash, prism-g<G> (e.g. prism-g4, prism-g9), static-g<G> (e.g. static-g4)"
+PLAN_NAMES = "dense, oracle, hash, hash-b<bits> (e.g. hash-b128), prism-g<G> (e.g. prism-g4, prism-g9), static-g<G> (e.g. static-g4)"
 DEFAULT_GROUP = 4
 
 _DESCRIPTIONS = {
@@ -40,7 +40,8 @@ class Plan:
     Prism proposal layer keeps a pool of round(rho * budget) candidates; `bits` is the signature
     width of `hash` (LSH until trained encoders are given); `int2_group` is the channels per INT2
     scale/zero group; `roles` (one per layer: proposal / refined / dense) overrides the uniform
-    grouping; `dense_layers` stay dense under any method.
+    grouping; `dense_layers` stay dense under any method; `encoders` is the directory of trained
+    signature encoders for `hash` (see `sparse_fx.train_signatures`), so a plan file can carry them.
     """
 
     method: str = "dense"
@@ -54,6 +55,7 @@ class Plan:
     seed: int = 0
     dense_layers: tuple[int, ...] = ()
     roles: tuple[str, ...] | None = None
+    encoders: str | None = None
     note: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class Plan:
             _fail(f"bits must be a positive multiple of 32, got {self.bits}")
         if self.int2_group < 2:
             _fail(f"int2_group must be >= 2 channels, got {self.int2_group}")
+        if self.encoders is not None and self.method != "hash":
+            _fail(f"encoders apply to the hash plan, not {self.method!r}")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
         if self.roles is not None:
             object.__setattr__(self, "roles", tuple(self.roles))
@@ -92,19 +96,23 @@ class Plan:
             return cls.load(plan, **options)
         if not isinstance(plan, str):
             _fail(f"plan must be a name, a Plan or a .json path, got {type(plan).__name__}; valid plans: {PLAN_NAMES}")
-        m = re.fullmatch(r"(dense|oracle|hash)|(prism|static)(?:-g(\d+))?", plan.strip().lower())
+        m = re.fullmatch(r"(dense|oracle)|(hash)(?:-b(\d+))?|(prism|static)(?:-g(\d+))?", plan.strip().lower())
         if not m:
             _fail(f"unknown plan {plan!r}; valid plans: {PLAN_NAMES}")
-        method = m.group(1) or m.group(2)
+        method = m.group(1) or m.group(2) or m.group(4)
         base = {"method": method}
         if m.group(3):
-            base["group"] = int(m.group(3))
+            base["bits"] = int(m.group(3))
+        if m.group(5):
+            base["group"] = int(m.group(5))
         return cls(**{**base, **_checked_options(options)})
 
     @property
     def name(self) -> str:
         if self.method in GROUPED:
             return f"{self.method}-g{self.group}" + ("-calibrated" if self.roles else "")
+        if self.method == "hash":
+            return "hash" + (f"-b{self.bits}" if self.bits != 32 else "") + ("-learned" if self.encoders else "")
         return self.method
 
     @property

@@ -24,7 +24,7 @@ def test_options_override_and_pool():
 @pytest.mark.parametrize(
     "name, options, match",
     [
-        ("sparse", {}, "unknown plan 'sparse'; valid plans: dense, oracle, hash, prism-g<G>"),
+        ("sparse", {}, "unknown plan 'sparse'; valid plans: dense, oracle, hash, hash-b<bits>"),
         ("prism-4", {}, "unknown plan"),
         ("hash", {"budget": 0}, "budget must be > 0"),
         ("hash", {"budget": -5}, "budget must be > 0"),
@@ -72,3 +72,13 @@ def test_bad_plan_files(tmp_path, text, match):
         Plan.load(path)
     with pytest.raises(ValueError, match="does not exist"):
         Plan.load(tmp_path / "missing.json")
+
+
+def test_hash_widths_and_encoder_paths():
+    assert Plan.parse("hash-b128").bits == 128 and Plan.parse("hash-b128").name == "hash-b128"
+    p = Plan.parse("hash", encoders="enc/")
+    assert p.name == "hash-learned" and p.encoders == "enc/"
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Plan.parse("hash-b48")
+    with pytest.raises(ValueError, match="encoders apply to the hash plan"):
+        Plan.parse("prism-g4", encoders="enc/")
