@@ -35,7 +35,7 @@ DEV = "cuda" if CUDA else "cpu"
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 SENTINEL = -777_777_777
 FAST = settings(deadline=None, max_examples=8, suppress_health_check=list(HealthCheck))
-MORE = settings(deadline=None, max_examples=25, suppress_health_check=list(HealthCheck))
+MORE = settings(deadline=None, max_examples=25 if CUDA else 12, suppress_health_check=list(HealthCheck))  # the interpreter is slow
 
 
 @contextlib.contextmanager

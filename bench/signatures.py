@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Learned HashAttention signatures vs LSH on SmolLM2-135M-Instruct (offline, CPU).
+
+1. Train 32-bit encoders with the defaults of `sparse_fx.train_signatures` on the training split
+   (timed), and, on the same captured data, the per-query-head key variant (key_sharing="query").
+2. Selection recall@32 on held-out windows at each context and sparsity: the top n/s keys by
+   Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
+   learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle.
+3. Model level, through the quality harness (bench/quality.py): next-token agreement and
+   cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
+
+    python bench/signatures.py                      # defaults: about 45 minutes on 2 cores
+Writes bench/results/signatures.json, signatures.md and signatures-recall.png; the encoders go to
+--encoders (default ~/.cache/sparse_fx/encoders/smollm2-b32, not committed: weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+
+import torch  # noqa: E402
+
+import sparse_fx  # noqa: E402
+from sparse_fx.data import token_windows  # noqa: E402
+from sparse_fx.lowering.reference import hamming_scores, pack_signs  # noqa: E402
+from sparse_fx.models import cache_root, load_model  # noqa: E402
+from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp, lsh_layer  # noqa: E402
+from sparse_fx.train import TrainConfig, capture_windows, fingerprint, selection_recall, train_on_windows  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def hamming_fn(layers):
+    """score_fn for selection_recall: summed Hamming similarity of each KV head's query heads."""
+
+    def score(layer, q, k, positions):
+        enc = layers[layer]
+        q_sig = pack_signs(apply_head_mlp(q[None], *enc.query.params()))[0]  # [Hq,S,W]
+        if enc.key.heads != k.shape[0]:  # per-query-head key encoders: each query head signs the keys itself
+            k = k.repeat_interleave(enc.key.heads // k.shape[0], 0)
+        k_sig = pack_signs(apply_head_mlp(k[None], *enc.key.params()))  # [1,Hk,T,W]
+        out = [hamming_scores(q_sig[:, s][None], k_sig)[0] for s in range(q_sig.shape[1])]
+        return torch.stack(out, 1).float()
+
+    return score
+
+
+def oracle_fn(layer, q, k, positions):
+    """Exact attention mass summed over a KV head's query heads (the oracle plan's score)."""
+    G = q.shape[0] // k.shape[0]
+    logits = (q @ k.repeat_interleave(G, 0).transpose(-1, -2)) / q.shape[-1] ** 0.5
+    logits = logits.masked_fill(torch.arange(k.shape[1])[None, None] > positions[None, :, None], float("-inf"))
+    p = torch.softmax(logits, -1)
+    return p.reshape(k.shape[0], G, *p.shape[1:]).sum(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="2048,4096,8192")
+    ap.add_argument("--sparsity", default="16,32")
+    ap.add_argument("--heldout-windows", type=int, default=2, help="held-out windows per context for recall")
+    ap.add_argument("--train-windows", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=None, help="default: TrainConfig's")
+    ap.add_argument("--train-context", type=int, default=None, help="default: TrainConfig's (train at the deployed length)")
+    ap.add_argument("--encoders", default=str(cache_root() / "encoders" / "smollm2-b32"))
+    ap.add_argument("--skip-harness", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok = load_model()
+    contexts = [int(x) for x in a.contexts.split(",")]
+    fractions = [1 / int(x) for x in a.sparsity.split(",")]
+    overrides = {k: v for k, v in (("epochs", a.epochs), ("context", a.train_context)) if v}
+    cfg = TrainConfig(**overrides)
+    report = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "machine": f"{platform.machine()} {os.cpu_count()} cpus", "train_config": dataclasses.asdict(cfg)}
+
+    t0 = time.perf_counter()
+    train_ids = token_windows(tok, "train", cfg.context, a.train_windows, seed=cfg.seed)
+    data = capture_windows(model, train_ids, cfg)
+    t_capture = time.perf_counter() - t0
+    layers, history = train_on_windows(data, cfg)
+    t_train = time.perf_counter() - t0
+    enc = SignatureEncoders(layers, cfg.bits, fingerprint(model), {
+        "train_config": dataclasses.asdict(cfg), "loss_per_epoch": history,
+        "train_seconds": t_train, "data": {"source": "sparse_fx.data split 'train'", "windows": a.train_windows,
+                                           "tokens": cfg.context}})
+    enc.save(a.encoders)
+    per_query_layers, pq_history = train_on_windows(data, TrainConfig(**{**enc.metadata["train_config"], "key_sharing": "query"}))
+    del data
+    report["train"] = {"capture_s": t_capture, "total_s": t_train, "loss_per_epoch": history,
+                       "per_query_head_loss_per_epoch": pq_history}
+    print(f"trained in {t_train:.0f} s (capture {t_capture:.0f} s); loss {history[0]:.4f} -> {history[-1]:.4f}", flush=True)
+
+    q_heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    lsh = {b: [lsh_layer(q_heads, kv_heads, d, b, seed=l) for l in range(model.config.num_hidden_layers)] for b in (32, 128, 256)}
+    recall = {}
+    for n in contexts:
+        held = capture_windows(model, token_windows(tok, "heldout", n, a.heldout_windows, seed=1),
+                               TrainConfig(**{**enc.metadata["train_config"], "context": n, "queries": 64}))
+        row = {"oracle": selection_recall(held, oracle_fn, fractions),
+               "learned-32": selection_recall(held, hamming_fn(enc.layers), fractions),
+               "learned-32 per-query-head keys": selection_recall(held, hamming_fn(per_query_layers), fractions, per_query_head=True)}
+        for b, layers_b in lsh.items():
+            row[f"lsh-{b}"] = selection_recall(held, hamming_fn(layers_b), fractions)
+        recall[n] = {name: {f"1/{round(1 / f)}": v for f, v in r.items()} for name, r in row.items()}
+        print(n, json.dumps(recall[n]), flush=True)
+    report["selection_recall_at_32"] = recall
+
+    if not a.skip_harness:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
+        quality = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(quality)
+        plan_file = Path(a.encoders) / "plan.json"
+        sparse_fx.Plan.parse("hash", encoders=a.encoders).save(plan_file)
+        settings = quality.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=contexts,
+                                    sparsities=[int(x) for x in a.sparsity.split(",")], passkey_trials=0, depths=[])
+        report["harness"] = quality.run(model, tok, settings)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "signatures.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "signatures.md").write_text(markdown(report))
+    plot(recall, out / "signatures-recall.png")
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    rec = report["selection_recall_at_32"]
+    fr = list(next(iter(next(iter(rec.values())).values())))
+    lines = ["Selection recall@32 (top n/s keys by score vs each query head's true top-32), held-out text:", "",
+             "| context | sparsity | " + " | ".join(next(iter(rec.values()))) + " |",
+             "|---|---|" + "---|" * len(next(iter(rec.values())))]
+    for n, row in rec.items():
+        for f in fr:
+            lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
+    t = report["train"]
+    lines += ["", f"Training (defaults, this machine): {t['total_s']:.0f} s including {t['capture_s']:.0f} s of capture; "
+              f"loss {t['loss_per_epoch'][0]:.4f} -> {t['loss_per_epoch'][-1]:.4f}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(recall: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(next(iter(recall.values())))
+    fracs = list(next(iter(recall.values()))[names[0]])
+    fig, axes = plt.subplots(1, len(fracs), figsize=(5 * len(fracs), 4), squeeze=False)
+    for ax, f in zip(axes[0], fracs):
+        for name in names:
+            ax.plot(list(recall), [recall[n][name][f] for n in recall], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"sparsity {f}")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("recall@32")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
