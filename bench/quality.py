@@ -351,7 +351,7 @@ def run(model, tok, s: Settings, progress: bool = True) -> dict:
                 "probes": probes,
                 "teacher": {"agreement": c.agree / c.tokens, "ce_delta": c.ce_delta / c.tokens,
                             "ce_sparse": c.ce_sparse / c.tokens, "ce_dense": ce_dense / tokens, "tokens": c.tokens},
-                "passkey": {"accuracy": sum(t["found"] for t in trials) / len(trials), "trials": len(trials),
+                "passkey": {"accuracy": sum(t["found"] for t in trials) / len(trials) if trials else None, "trials": len(trials),
                             "by_depth": {str(d): sum(t["found"] for t in c.passkey[d]) / len(c.passkey[d]) for d in s.depths},
                             "answers": {str(d): c.passkey[d] for d in s.depths}},
             }

@@ -73,8 +73,8 @@ class Plan:
             _fail(f"local must be an int >= 1 (the window holds the current token), got {self.local!r}")
         if not self.rho >= 1:
             _fail(f"rho (pool size / budget) must be >= 1, got {self.rho!r}")
-        if self.method in GROUPED and self.group < 2:
-            _fail(f"group must be >= 2 layers (1 proposal + refined), got {self.group}")
+        if self.method in GROUPED and self.group < 1:
+            _fail(f"group must be >= 1 layer (1: every layer proposes, no sharing), got {self.group}")
         if self.bits < 32 or self.bits % 32:
             _fail(f"bits must be a positive multiple of 32, got {self.bits}")
         if self.int2_group < 2:

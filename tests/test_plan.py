@@ -31,7 +31,7 @@ def test_options_override_and_pool():
         ("hash", {"budget": 1.5}, "budget must be an int"),
         ("hash", {"local": 0}, "local must be an int >= 1"),
         ("hash", {"bits": 48}, "multiple of 32"),
-        ("prism-g1", {}, "group must be >= 2"),
+        ("prism-g0", {}, "group must be >= 1"),
         ("prism-g4", {"rho": 0.5}, "rho"),
         ("hash", {"budgte": 3}, r"unknown plan option\(s\) \['budgte'\]; valid options: group, budget"),
         ("hash", {"roles": ("proposal",)}, "explicit roles need a prism or static plan"),
@@ -45,6 +45,7 @@ def test_bad_plans_raise_naming_valid_choices(name, options, match):
 
 
 def test_uniform_roles_and_dense_layers():
+    assert Plan.parse("prism-g1").layer_roles(3) == ["proposal"] * 3  # per-layer INT2 selection, no sharing
     assert Plan.parse("prism-g4").layer_roles(6) == ["proposal", "refined", "refined", "refined", "proposal", "refined"]
     assert Plan.parse("hash", dense_layers=(0, 2)).layer_roles(3) == ["dense", "sparse", "dense"]
     # a dense proposal layer orphans its refined layers: the first of them proposes instead
