@@ -4,7 +4,7 @@
     print(sparse_fx.explain(model))
 """
 
-from . import ops
+from .lowering import ops  # sparse_fx.ops: the ops for direct use (torch.ops.sparse_fx.*)
 from .api import attach_cache, compile, explain, measurements
 from .calibrate import calibrate
 from .explain import Report
