@@ -13,7 +13,7 @@ from .plan import Plan
 from .rewrite import rewrite
 from .runtime.encoders import apply_head_mlp
 from .runtime.state import Encoders, KVShape
-from .state import SIDE_CACHE_ROLES, GraphReport, ModelInfo, SparseState
+from .state import GraphReport, ModelInfo, SparseState, side_cache_kind
 
 BACKENDS = ("inductor", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -113,16 +113,16 @@ def attach_cache(model: torch.nn.Module, cache) -> None:
     StaticCache), exactly as a prefill through the compiled model would have.
     """
     state = sparse_state(model)
-    needs = SIDE_CACHE_ROLES.get(state.plan.method, set())
     with torch.no_grad():
         for layer, role in enumerate(state.roles):
-            if role not in needs:
+            kind = side_cache_kind(state.plan.method, role)
+            if kind is None:
                 continue
             keys = cache.layers[layer].keys
             n = int(cache.layers[layer].get_seq_length())
             pos = torch.arange(n, device=keys.device)
             kv = KVShape.of(keys)
-            if state.plan.method == "hash":
+            if kind == "signature":
                 enc = state.encoders.layer(layer, state.info.q_heads, kv.kv_heads, kv.head_dim, kv.device)
                 logits = apply_head_mlp(keys[:, :, :n], *enc.key.params())
                 ops.signature_write(state.side_caches.signature(layer, kv, state.plan.bits), logits, pos, True)

@@ -19,7 +19,7 @@ from .lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
 from .match import Site, find_sites, meta, op_name
 from .runtime.encoders import apply_head_mlp
 from .runtime.state import KVShape
-from .state import GraphReport, Row, SparseState
+from .state import GraphReport, Row, SparseState, side_cache_kind
 
 OPS = torch.ops.sparse_fx
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -91,7 +91,7 @@ class _Edit:
             return "keys and values are not plain [B, H, L, D] tensors behind the same head layout"
         if k.dim() != 4 or q.dim() != 4 or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3]:
             return f"unsupported head layout q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
-        if role_needs_int2(self.plan, self.state.role(site.layer)) and (k.shape[3] % 16 or k.shape[3] % self.plan.int2_group):
+        if side_cache_kind(self.plan.method, self.state.role(site.layer)) == "int2" and (k.shape[3] % 16 or k.shape[3] % self.plan.int2_group):
             return f"head dim {k.shape[3]} does not split into INT2 groups of {self.plan.int2_group} (and words of 16)"
         if site.k_write is None or site.v_write is None:
             return "no KV-cache write (index_copy_ or indexed assignment) feeds this attention; use a StaticCache"
@@ -126,12 +126,8 @@ class _Edit:
     # ----------------------------------------------------------------- side caches
     def _write_side_cache(self, site: Site, role: str, reset: bool) -> str:
         """Insert the side-cache write after the KV write; returns what it stores."""
-        method = self.plan.method
-        if method == "hash":
-            kind = "signature"
-        elif method in ("prism", "static") and role in ("proposal", "search"):
-            kind = "int2"
-        else:
+        kind = side_cache_kind(self.plan.method, role)
+        if kind is None:
             return "-"
         w = site.k_write
         kv = KVShape.of(meta(w.cache))
@@ -250,10 +246,6 @@ class _Edit:
                 inputs = list(n.all_input_nodes)
                 self.g.erase_node(n)
                 stack += inputs
-
-
-def role_needs_int2(plan, role: str) -> bool:
-    return plan.method in ("prism", "static") and role in ("proposal", "search")
 
 
 def _scores_at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

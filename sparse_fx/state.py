@@ -11,7 +11,14 @@ from .measure import Measurements
 from .plan import Plan
 from .runtime.state import Encoders, SideCaches
 
-SIDE_CACHE_ROLES = {"hash": {"sparse"}, "prism": {"proposal", "search"}, "static": {"proposal", "search"}}
+def side_cache_kind(method: str, role: str) -> str | None:
+    """What a layer of this role keeps beside its KV cache: key signatures (hash), INT2 keys (a
+    layer that proposes, or may, in calibration's search), or nothing."""
+    if method == "hash" and role == "sparse":
+        return "signature"
+    if method in ("prism", "static") and role in ("proposal", "search"):
+        return "int2"
+    return None
 
 
 @dataclass(frozen=True)
@@ -149,9 +156,11 @@ class SparseState:
 
     def check_side_cache_coverage(self, report: GraphReport) -> None:
         """A decode graph may read a side cache only if every prefill graph fills it."""
-        needs = SIDE_CACHE_ROLES.get(self.plan.method, set())
+        def needs(r: Row) -> bool:
+            return side_cache_kind(self.plan.method, r.role) is not None
+
         if report.kind == "prefill":
-            self._unfilled |= {r.layer for r in report.rows if r.role in needs and r.side_cache == "-"}
+            self._unfilled |= {r.layer for r in report.rows if needs(r) and r.side_cache == "-"}
             broken = sorted(self._decode_needs & self._unfilled)
             if broken:
                 raise RuntimeError(
@@ -159,7 +168,7 @@ class SparseState:
                     "compiled decode graph reads; run sparse_fx.explain(model) and report this model form"
                 )
         else:
-            self._decode_needs |= {r.layer for r in report.rows if r.role in needs and r.action == "sparse"}
+            self._decode_needs |= {r.layer for r in report.rows if needs(r) and r.action == "sparse"}
         self.reports.append(report)
         if self.strict and report.kind == "decode":
             missed = [r for r in report.rows if r.action == "dense" and r.role != "dense"]
