@@ -40,6 +40,7 @@ RESULTS = Path(__file__).parent / "results"
 def harness():
     spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
     q = importlib.util.module_from_spec(spec)
+    sys.modules["quality"] = q  # its dataclasses look their module up
     spec.loader.exec_module(q)
     return q
 

@@ -76,7 +76,12 @@ def main() -> None:
     ap.add_argument("--encoders", default=str(cache_root() / "encoders" / "smollm2-b32"))
     ap.add_argument("--skip-harness", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json")
     a = ap.parse_args()
+    if a.render:
+        report = json.loads((Path(a.out) / "signatures.json").read_text())
+        save(report, report["selection_recall_at_32"], Path(a.out))
+        return
     torch.manual_seed(0)
     model, tok = load_model()
     contexts = [int(x) for x in a.contexts.split(",")]
@@ -117,24 +122,29 @@ def main() -> None:
         recall[n] = {name: {f"1/{round(1 / f)}": v for f, v in r.items()} for name, r in row.items()}
         print(n, json.dumps(recall[n]), flush=True)
     report["selection_recall_at_32"] = recall
+    save(report, recall, Path(a.out))
 
     if not a.skip_harness:
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
         quality = importlib.util.module_from_spec(spec)
+        sys.modules["quality"] = quality  # its dataclasses look their module up
         spec.loader.exec_module(quality)
         plan_file = Path(a.encoders) / "plan.json"
         sparse_fx.Plan.parse("hash", encoders=a.encoders).save(plan_file)
         settings = quality.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=contexts,
                                     sparsities=[int(x) for x in a.sparsity.split(",")], passkey_trials=0, depths=[])
         report["harness"] = quality.run(model, tok, settings)
-    out = Path(a.out)
+        save(report, recall, Path(a.out))
+    print(markdown(report))
+
+
+def save(report: dict, recall: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "signatures.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "signatures.md").write_text(markdown(report))
     plot(recall, out / "signatures-recall.png")
-    print(markdown(report))
 
 
 def markdown(report: dict) -> str:
@@ -149,6 +159,15 @@ def markdown(report: dict) -> str:
     t = report["train"]
     lines += ["", f"Training (defaults, this machine): {t['total_s']:.0f} s including {t['capture_s']:.0f} s of capture; "
               f"loss {t['loss_per_epoch'][0]:.4f} -> {t['loss_per_epoch'][-1]:.4f}."]
+    if "harness" in report:
+        lines += ["", "Model level (bench/quality.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
+                  "| plan | context | sparsity | agreement | CE delta | recall@32 |", "|---|---|---|---|---|---|"]
+        for r in report["harness"]["rows"]:
+            rec = r["probes"].get("recall", {}).get("mean")
+            name = "hash (learned 32-bit)" if str(r["plan"]).endswith(".json") else r["plan"]
+            lines.append(f"| {name} | {r['context']} | {('1/' + str(r['sparsity'])) if r['sparsity'] else '-'} | "
+                         f"{r['teacher']['agreement']:.1%} | {r['teacher']['ce_delta']:+.4f} | "
+                         f"{'-' if rec is None else f'{rec:.3f}'} |")
     return "\n".join(lines) + "\n"
 
 
