@@ -177,6 +177,7 @@ def plot(recall: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    recall = {int(n): v for n, v in recall.items()}  # JSON turned the context keys into strings
     names = list(next(iter(recall.values())))
     fracs = list(next(iter(recall.values()))[names[0]])
     fig, axes = plt.subplots(1, len(fracs), figsize=(5 * len(fracs), 4), squeeze=False)
