@@ -13,9 +13,10 @@ from sparse_fx.api import sparse_state
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 OPTIONS = dict(budget=64, sink=16, local=16, rho=2.0)
-KERNELS = {
-    "hash": ["_pack_kernel", "_hamming_kernel", "_filter_kernel", "_resolve_kernel", "_sparse_attn_kernel"],
-    "prism-g2": ["_int2_write_kernel", "_int2_scores_kernel", "_mass_logits_kernel", "_filter_kernel", "_sparse_attn_kernel"],
+KERNELS = {  # each stage of the step, by the Triton kernel that runs it
+    "hash": ["_pack_kernel", "_hamming_kernel", "_hist_kernel", "_compact_kernel", "_sparse_attn_kernel"],
+    "prism-g2": ["_int2_write_kernel", "_int2_scores_kernel", "_minmax_kernel", "_hist_kernel", "_compact_kernel",
+                 "_resolve_kernel", "_mass_logits_kernel", "_sparse_attn_kernel"],
 }
 
 
