@@ -188,6 +188,12 @@ def main() -> None:
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)
+            save(rows, configs, args, complete=False)  # a run stopped at its time limit keeps its rows
+    save(rows, configs, args, complete=True)
+    print_table(rows)
+
+
+def save(rows: list[dict], configs, args, complete: bool) -> None:
     for batch, n in configs:
         same = [r for r in rows if r["batch"] == batch and r["context"] == n and "tokens_per_s" in r]
         best = max((r["tokens_per_s"] for r in same if r["method"] in ("dense", "dense-gqa", "hf-default")), default=None)
@@ -196,7 +202,7 @@ def main() -> None:
     meta = {
         "command": "python bench/decode.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
+        "python": platform.python_version(), "complete": complete,
     }
     try:
         import transformers
@@ -209,7 +215,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"decode-{meta['date']}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out / f"{stem}.png")
+    if complete:
+        plot(rows, out / f"{stem}.png")
+
+
+def print_table(rows: list[dict]) -> None:
     print(f"\n{'ctx':>7} {'B':>3} {'method':<11} {'tok/s':>9} {'vs dense':>8} {'step ms':>8} {'compile s':>9} {'peak GiB':>8}")
     for r in rows:
         if "error" in r:

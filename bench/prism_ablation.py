@@ -93,6 +93,7 @@ def main() -> None:
     s = q.Settings(plans=main_plans, contexts=contexts, sparsities=[a.sparsity], passkey_trials=a.passkey_trials,
                    decode_tokens=a.decode_tokens)
     report["main"] = q.run(model, tok, s)
+    save(report, out, final=False)
 
     # 3. sweeps on calibrated prism-g4 (and its static twin for the budget sweep)
     base = sparse_fx.Plan.load(calibrated[("prism", 4)])
@@ -104,15 +105,23 @@ def main() -> None:
     s = q.Settings(plans=rho_plans, contexts=contexts, sparsities=[a.sparsity], passkey_trials=0, depths=[],
                    decode_tokens=a.decode_tokens)
     report["rho_sweep"] = q.run(model, tok, s)
+    save(report, out, final=False)
     s = q.Settings(plans=[calibrated[("prism", 4)], calibrated[("static", 4)]], contexts=contexts,
                    sparsities=[8, 16, 32], passkey_trials=0, depths=[], decode_tokens=a.decode_tokens)
     report["budget_sweep"] = q.run(model, tok, s)
 
+    print(save(report, out, final=True))
+
+
+def save(report: dict, out: Path, final: bool) -> str:
+    """Write the JSON and table after each section, so that an interrupted run keeps its numbers."""
+    report["complete"] = final
     (out / "prism-ablation.json").write_text(json.dumps(report, indent=1, default=str))
     md = markdown(report)
     (out / "prism-ablation.md").write_text(md)
-    plot(report, out / "prism-ablation.png")
-    print(md)
+    if final:
+        plot(report, out / "prism-ablation.png")
+    return md
 
 
 def _rows(section: dict):
@@ -137,7 +146,7 @@ def markdown(report: dict) -> str:
     for name in ("rho_sweep", "budget_sweep"):
         lines += ["", f"{name.replace('_', ' ')}:", "", "| plan | context | sparsity | agreement | CE delta | pool recall |",
                   "|---|---|---|---|---|---|"]
-        for row in _rows(report[name]):
+        for row in _rows(report.get(name, {})):
             lines.append(f"| {row['plan']} | {row['context']} | {row.get('sparsity', '-')} | {cell(row, 'teacher', 'agreement')} | "
                          f"{cell(row, 'teacher', 'ce_delta', fmt='{:+.4f}')} | {cell(row, 'probes', 'pool_recall', 'mean')} |")
     lines += ["", "Calibrated roles (P = proposal, R = refined): " +

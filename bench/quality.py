@@ -308,9 +308,10 @@ def passkey_cell(model, tok, configs: list[Config], cache, snaps: tuple[Snapshot
             bar.stepped(n, ids.shape[1] - stop + s.answer_tokens - 1, probed=m is c.model)
 
 
-def run(model, tok, s: Settings, progress: bool = True) -> dict:
+def run(model, tok, s: Settings, progress: bool = True, checkpoint=None) -> dict:
     """Every measurement of `s` on `model` (left as it is: configs compile copies that share its
-    weights). Returns the results dict that `write_outputs` saves."""
+    weights). Returns the results dict that `write_outputs` saves; `checkpoint(rows, contexts)` is called
+    after each context with the rows and per-context facts so far."""
     from transformers import StaticCache
 
     device = next(model.parameters()).device
@@ -363,6 +364,8 @@ def run(model, tok, s: Settings, progress: bool = True) -> dict:
         contexts[n] = {"teacher_seconds": t_teacher, "seconds": time.perf_counter() - t0,
                        "passkey_prompt_tokens": passkey_prompt(tok, n, 0.5, passkey_key(s.seed, 0)).shape[1]}
         del configs, cache, snaps
+        if checkpoint:
+            checkpoint(rows, contexts)
     bar.bar.close()
     return {"rows": rows, "contexts": contexts, "seconds": time.perf_counter() - start,
             "compiled_models": compiled, "dynamo_graphs": dynamo_graphs() - graphs}  # more graphs than models: recompiles
@@ -390,7 +393,9 @@ def markdown(results: dict) -> str:
         "",
         f"`{results['command']}`  ",
         f"{results['date']}, {results['machine']['summary']}, torch {results['versions']['torch']}, "
-        f"transformers {results['versions']['transformers']}; {results['seconds'] / 60:.0f} min.",
+        f"transformers {results['versions']['transformers']}; {results['seconds'] / 60:.0f} min"
+        + (f" (interrupted: contexts {', '.join(map(str, results['contexts']))} of {', '.join(map(str, s['contexts']))} done)."
+           if results.get("incomplete") else "."),
         "",
         f"Budget: at sparsity s and context n each sparse step attends to **n // s chosen tokens + the first "
         f"{s['sink']} + the last {s['local']}**. Probes and teacher forcing: {s['windows']} held-out window(s) per "
@@ -556,8 +561,14 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     s = settings_from(a)
     model, tok = load_model(device=device)
-    results = run(model, tok, s)
     command = "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    t0 = time.perf_counter()
+
+    def checkpoint(rows, contexts):  # an interrupted long run keeps what it measured
+        write_outputs(describe(model, s, command, a.tag, {"rows": rows, "contexts": contexts, "incomplete": True,
+                                                          "seconds": time.perf_counter() - t0}), a.out, a.tag)
+
+    results = run(model, tok, s, checkpoint=checkpoint)
     paths = write_outputs(describe(model, s, command, a.tag, results), a.out, a.tag)
     print(f"wrote {', '.join(paths)} ({results['seconds'] / 60:.1f} min)")
     with open(paths[1]) as f:

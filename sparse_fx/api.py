@@ -172,7 +172,14 @@ def _backend(state: SparseState):
         from torch._inductor.compile_fx import compile_fx
 
         mode = state.mode or ("reduce-overhead" if _on_cuda(example_inputs) else "default")
-        return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode))
+        import torch._inductor.config as inductor_config
+
+        patches = dict(list_mode_options(mode))
+        if hasattr(inductor_config, "use_static_cuda_launcher"):
+            # torch 2.11's static launcher crashed (SIGSEGV) launching a kernel of our graphs while
+            # CUDA graph trees recorded it; Triton's own launcher does not
+            patches["use_static_cuda_launcher"] = False
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     return sparse_fx_backend
 

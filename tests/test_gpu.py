@@ -41,7 +41,7 @@ def decode(model, ids, prefill, steps=None):
 def test_inductor_emits_our_kernels_and_matches_the_eager_graph(plan):
     from torch._inductor.utils import run_and_get_code
 
-    base = model_on_gpu()
+    base = model_on_gpu(torch.float32)  # bf16: rounding differences flip selections, which is no bug
     ids = torch.randint(0, 256, (2, 420), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     eager = sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", **OPTIONS)
     expect, _ = decode(eager, ids, 400)
@@ -52,7 +52,7 @@ def test_inductor_emits_our_kernels_and_matches_the_eager_graph(plan):
         assert name in source, f"{name} is not in Inductor's generated code"
     got, _ = decode(compiled, ids, 400)
     for a, b in zip(got, expect):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     assert sparse_fx.explain(compiled).sparse_layers == [0, 1, 2, 3]
 
 
@@ -60,7 +60,7 @@ def test_inductor_emits_our_kernels_and_matches_the_eager_graph(plan):
 def test_cuda_graphs_capture_decode_without_recompiles(plan):
     from torch._dynamo.utils import counters
 
-    base = model_on_gpu()
+    base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (2, 330), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     expect, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", **OPTIONS), ids, 300)
     model = sparse_fx.compile(copy.deepcopy(base), plan, mode="reduce-overhead", **OPTIONS)
@@ -79,7 +79,7 @@ def test_cuda_graphs_capture_decode_without_recompiles(plan):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert [t.data_ptr() for t in sparse_state(model).side_caches.of_layer(0)] == ptrs
     for a, b in zip(got, expect):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
 def test_budget_covering_context_equals_dense_on_gpu():

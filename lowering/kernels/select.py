@@ -227,7 +227,7 @@ def _compact_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, 
     n_up = tl.sum(up, axis=0)
     if n_up > 0:
         slot = tl.atomic_add(st + 3, n_up.to(tl.int64), sem="relaxed") + tl.cumsum(up, axis=0) - 1
-        tl.store(out_row + slot * sok, cand.to(tl.int32), mask=up != 0)
+        tl.store(out_row + slot * sok, cand.to(tl.int32), mask=(up != 0) & (slot < need))  # (bound: memory safety)
     tie = (live & (k64 >= lo) & (k64 < top)).to(tl.int32)
     n_tie = tl.sum(tie, axis=0)
     if n_tie > 0:
@@ -317,7 +317,7 @@ def _resolve_kernel(
             take = (order & 0xFFFFFFFF).to(tl.int32) * -1 + (CAP_P2 - 1)
         else:
             take = i
-        p = tl.load(bpos_ptr + r.to(tl.int64) * CAP + take, mask=(i < m) & (take < CAP), other=-1)
+        p = tl.load(bpos_ptr + r.to(tl.int64) * CAP + take, mask=(i < m) & (take < tl.minimum(n, CAP)), other=-1)
         tl.store(out_row + (above + i) * sok, p, mask=i < m)
 
 
@@ -355,12 +355,21 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None):
     cap = 1 if u8 else BUF
     bkey = torch.empty(R, cap, dtype=torch.int32, device=dev)
     bpos = torch.empty(R, cap, dtype=torch.int32, device=dev)
+    # Inductor's analysis of what a user kernel writes counts every pointer passed to a helper whose
+    # result feeds a store address as written; these kernels do that, so they get private copies of
+    # their small inputs: no graph input (cache position, mask) or view (a Prism pool) is then
+    # functionalised as mutated, which would copy it back, skip CUDA graphs, or alias a stale view.
+    pos = pos[-1:].clone()
+    if mask is not None and mask.dtype != torch.bool:  # (bool masks are copied by MaskArgs)
+        mask = mask.clone()
     ma = MaskArgs(mask, Hkv, scores)
     L = mask.shape[-1] if mask is not None else 1
     has_pos = positions is not None
+    if has_pos:
+        positions = positions.clone(memory_format=torch.contiguous_format)
     pos_t = positions if has_pos else scores
     sp = positions.stride() if has_pos else (0, 0, 0)
-    now_off = (pos.shape[0] - 1) * pos.stride(0)
+    now_off = 0
     block = BLOCK_U8 if u8 else BLOCK_WIDE
     progs = programs_per_row(R, triton.cdiv(N, block), dev, waves=STREAM_WAVES)
     flags = dict(HAS_POS=has_pos, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
