@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="default: TrainConfig's")
     ap.add_argument("--train-context", type=int, default=None, help="default: TrainConfig's (train at the deployed length)")
     ap.add_argument("--encoders", default=str(cache_root() / "encoders" / "smollm2-b32"))
+    ap.add_argument("--harness-contexts", default=None, help="contexts of the model-level part (default: --contexts)")
     ap.add_argument("--skip-harness", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json")
@@ -133,7 +134,8 @@ def main() -> None:
         spec.loader.exec_module(quality)
         plan_file = Path(a.encoders) / "plan.json"
         sparse_fx.Plan.parse("hash", encoders=a.encoders).save(plan_file)
-        settings = quality.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=contexts,
+        harness_contexts = [int(x) for x in a.harness_contexts.split(",")] if a.harness_contexts else contexts
+        settings = quality.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=harness_contexts,
                                     sparsities=[int(x) for x in a.sparsity.split(",")], passkey_trials=0, depths=[])
         report["harness"] = quality.run(model, tok, settings)
         save(report, recall, Path(a.out))
