@@ -656,3 +656,24 @@ def test_decode_step_captures_in_cuda_graph():
     q.copy_(randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16))
     graph.replay()
     torch.testing.assert_close(out, step())
+
+
+def test_select_kernels_get_private_copies_of_graph_inputs_and_views():
+    """Inductor's analysis of what a user kernel writes over-reports for the selection kernels (a
+    pointer passed to a helper counts as written), so the cache position and a Prism pool (a slice
+    view) must reach them as private copies: else the compiled graph functionalises them as
+    mutated, and on the GPU the refined layers read garbage pool positions."""
+    from sparse_fx.lowering.kernels.compile_check import recording
+
+    scores = torch.randn(2, 2, 64)
+    pos = torch.tensor([90, 91])
+    ranked = (torch.arange(2 * 2 * 80, dtype=torch.int32) % 80).reshape(2, 2, 80)
+    mask = torch.zeros(2, 1, 1, 92)
+    with recording() as launches:
+        ksel.select_topk(scores, pos, 8, 4, 4, mask, ranked[:, :, 16:])
+    assert launches
+    inputs = {t.untyped_storage().data_ptr() for t in (pos, ranked, mask)}
+    for _, _, args, kwargs in launches:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                assert a.untyped_storage().data_ptr() not in inputs
