@@ -35,6 +35,7 @@ import sparse_fx  # noqa: E402
 from sparse_fx.models import load_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def harness():
@@ -56,7 +57,12 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline in minutes")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json")
     a = ap.parse_args()
+    if a.render:
+        report = json.loads((Path(a.out) / "prism-ablation.json").read_text())
+        print(save(report, Path(a.out), final=report.get("complete", False)))
+        return
     if a.quick:
         a.contexts, a.calib_context, a.calib_windows, a.calib_steps = "1024", 512, 1, 4
         a.passkey_trials, a.decode_tokens = 1, 16
@@ -116,7 +122,8 @@ def main() -> None:
 def save(report: dict, out: Path, final: bool) -> str:
     """Write the JSON and table after each section, so that an interrupted run keeps its numbers."""
     report["complete"] = final
-    (out / "prism-ablation.json").write_text(json.dumps(report, indent=1, default=str))
+    text = json.dumps(report, indent=1, default=str).replace(str(ROOT) + os.sep, "")  # plan files: repo-relative
+    (out / "prism-ablation.json").write_text(text)
     md = markdown(report)
     (out / "prism-ablation.md").write_text(md)
     if final:
@@ -130,6 +137,11 @@ def _rows(section: dict):
         yield row
 
 
+def label(plan: str) -> str:
+    """A plan file's name without the directory (smollm2-prism-g4-calibrated), a plan name as is."""
+    return Path(plan).stem.removeprefix("smollm2-") if plan.endswith(".json") else plan
+
+
 def markdown(report: dict) -> str:
     def cell(row, *path, fmt="{:.3f}"):
         v = row
@@ -140,14 +152,14 @@ def markdown(report: dict) -> str:
     lines = ["Main ablation (held-out text; budget n/16 + 128 sink + 128 local; rho 4):", "",
              "| plan | context | agreement | CE delta | pool recall | recall@32 | passkey |", "|---|---|---|---|---|---|---|"]
     for row in _rows(report["main"]):
-        lines.append(f"| {row['plan']} | {row['context']} | {cell(row, 'teacher', 'agreement')} | "
+        lines.append(f"| {label(row['plan'])} | {row['context']} | {cell(row, 'teacher', 'agreement')} | "
                      f"{cell(row, 'teacher', 'ce_delta', fmt='{:+.4f}')} | {cell(row, 'probes', 'pool_recall', 'mean')} | "
                      f"{cell(row, 'probes', 'recall', 'mean')} | {cell(row, 'passkey', 'accuracy', fmt='{:.2f}')} |")
     for name in ("rho_sweep", "budget_sweep"):
         lines += ["", f"{name.replace('_', ' ')}:", "", "| plan | context | sparsity | agreement | CE delta | pool recall |",
                   "|---|---|---|---|---|---|"]
         for row in _rows(report.get(name, {})):
-            lines.append(f"| {row['plan']} | {row['context']} | {row.get('sparsity', '-')} | {cell(row, 'teacher', 'agreement')} | "
+            lines.append(f"| {label(row['plan'])} | {row['context']} | {row.get('sparsity', '-')} | {cell(row, 'teacher', 'agreement')} | "
                          f"{cell(row, 'teacher', 'ce_delta', fmt='{:+.4f}')} | {cell(row, 'probes', 'pool_recall', 'mean')} |")
     lines += ["", "Calibrated roles (P = proposal, R = refined): " +
               "; ".join(f"{k}: {v}" for k, v in report["calibrated_roles"].items())]
@@ -163,7 +175,7 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [r for r in _rows(report["rho_sweep"]) if isinstance(r.get("teacher"), dict)]
     for ctx in sorted({r["context"] for r in rows}):
-        pts = sorted((float(json.loads(Path(r["plan"]).read_text())["rho"]) if str(r["plan"]).endswith(".json") else 0,
+        pts = sorted((float(json.loads((ROOT / r["plan"]).read_text())["rho"]) if str(r["plan"]).endswith(".json") else 0,
                       r["teacher"]["agreement"]) for r in rows if r["context"] == ctx)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"context {ctx}")
     ax.set_xscale("log", base=2)

@@ -144,7 +144,7 @@ def main() -> None:
 
 def save(report: dict, recall: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "signatures.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "signatures.json").write_text(json.dumps(report, indent=1, default=str).replace(str(Path.home()), "~"))
     (out / "signatures.md").write_text(markdown(report))
     plot(recall, out / "signatures-recall.png")
 
@@ -159,8 +159,10 @@ def markdown(report: dict) -> str:
         for f in fr:
             lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
     t = report["train"]
-    lines += ["", f"Training (defaults, this machine): {t['total_s']:.0f} s including {t['capture_s']:.0f} s of capture; "
-              f"loss {t['loss_per_epoch'][0]:.4f} -> {t['loss_per_epoch'][-1]:.4f}."]
+    c = report["train_config"]
+    lines += ["", f"Training (`{report['command']}`: {c['epochs']} epochs at {c['context']} tokens; {report['machine']}): "
+              f"{t['total_s']:.0f} s including {t['capture_s']:.0f} s of capture; "
+              f"loss per epoch {', '.join(f'{x:.4f}' for x in t['loss_per_epoch'])}."]
     if "harness" in report:
         lines += ["", "Model level (bench/quality.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
                   "| plan | context | sparsity | agreement | CE delta | recall@32 |", "|---|---|---|---|---|---|"]
