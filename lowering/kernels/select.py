@@ -119,11 +119,11 @@ def _path(st, hist_ptr, r, R, K, DONE: tl.constexpr, U8: tl.constexpr):
 
 
 @triton.jit
-def _row_setup(tpos_ptr, now_off, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb):
+def _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb):
     r = tl.program_id(1)
     b = (r // Hkv).to(tl.int64)
     h = (r % Hkv).to(tl.int64)
-    now = tl.load(tpos_ptr + now_off).to(tl.int64)
+    now = tl.load(tpos_ptr).to(tl.int64)  # the launcher passes the last cache position alone
     return r, b, h, now, scores_ptr + b * ssb + h * ssh, pos_ptr + b * spb + h * sph, mask_ptr + b * smb
 
 
@@ -141,13 +141,13 @@ def _minmax_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, s
 @triton.jit
 def _minmax_kernel(
     scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr,
-    Hkv, N, L, now_off, sink, local, min_half, PROGS,
+    Hkv, N, L, sink, local, min_half, PROGS,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
     BLOCK: tl.constexpr, HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr,
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
-    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, now_off, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
+    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
     hi = tl.full([BLOCK], KEY_NONE, tl.int32)
     lo = tl.full([BLOCK], 2**31 - 1, tl.int32)
     n = tl.zeros([BLOCK], tl.int32)
@@ -183,7 +183,7 @@ def _hist_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn
 @triton.jit
 def _hist_kernel(
     scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr, hist_ptr,
-    Hkv, N, L, now_off, sink, local, min_half, PROGS, R, K,
+    Hkv, N, L, sink, local, min_half, PROGS, R, K,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
     LEVEL: tl.constexpr,  # 0-based; the thresholds of levels < LEVEL come from their histograms
     BLOCK: tl.constexpr, HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
@@ -191,7 +191,7 @@ def _hist_kernel(
     U8: tl.constexpr,  # uint8 keys: one exact level, which also counts the eligible candidates
     USE_FOR: tl.constexpr,
 ):
-    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, now_off, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
+    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
     st = state_ptr + r * STATE
     lo, wb, above, need = _path(st, hist_ptr, r, R, K, LEVEL, U8)
     if (wb > 0) & ((LEVEL == 0) | (need > above)):
@@ -243,7 +243,7 @@ def _compact_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, 
 @triton.jit
 def _compact_kernel(
     scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr, hist_ptr, out_ptr, bkey_ptr, bpos_ptr,
-    Hkv, N, L, now_off, sink, local, min_half, PROGS, R, K, WIN, CAP,
+    Hkv, N, L, sink, local, min_half, PROGS, R, K, WIN, CAP,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml, sob, soh, sok,
     DONE: tl.constexpr,  # levels whose thresholds define the final bin
     BLOCK: tl.constexpr, HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
@@ -251,7 +251,7 @@ def _compact_kernel(
     USE_BUF: tl.constexpr,  # final-bin candidates go to the buffer for `resolve` (keys wider than 8 bits)
     USE_FOR: tl.constexpr,
 ):
-    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, now_off, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
+    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
     st = state_ptr + r * STATE
     lo, wb, above, need = _path(st, hist_ptr, r, R, K, DONE, U8)
     lo = tl.where(need > 0, lo, 2**40)  # nothing to take: no key reaches the final bin
@@ -369,13 +369,12 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None):
         positions = positions.clone(memory_format=torch.contiguous_format)
     pos_t = positions if has_pos else scores
     sp = positions.stride() if has_pos else (0, 0, 0)
-    now_off = 0
     block = BLOCK_U8 if u8 else BLOCK_WIDE
     progs = programs_per_row(R, triton.cdiv(N, block), dev, waves=STREAM_WAVES)
     flags = dict(HAS_POS=has_pos, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
                  INT_KEYS=not scores.is_floating_point(), BLOCK=block, USE_FOR=not interpreting(),
                  num_warps=8 if u8 else 4, num_stages=STREAM_STAGES)
-    row = (Hkv, N, L, now_off, sink, local, ma.min_half, progs)
+    row = (Hkv, N, L, sink, local, ma.min_half, progs)
     strides = (*scores.stride(), *sp, ma.sb, ma.sh, ma.sl)
     head = (scores, pos_t, pos, ma.tensor, state)
     wt = torch.library.wrap_triton
