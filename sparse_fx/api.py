@@ -148,7 +148,35 @@ class SparseForward:
         if self.model.training:
             raise RuntimeError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval()")
         _mark_prefill_dynamic(args, kwargs)
+        _initialise_static_cache(self.model, args, kwargs)
         return self.compiled(*args, **kwargs)
+
+
+def _initialise_static_cache(model: torch.nn.Module, args, kwargs) -> None:
+    """Allocate a fresh StaticCache before the compiled call, as `generate` does for compiled prefills.
+
+    Left to allocate lazily, it would do so inside our compiled prefill, where Hugging Face cannot
+    mark its tensors as static addresses; CUDA graphs then skip the prefill ("mutated inputs") and
+    the decode graph's launch fails on the unmarked cache tensors.
+    """
+    cache = kwargs.get("past_key_values")
+    layers = getattr(cache, "layers", None)
+    if not layers or not hasattr(cache, "early_initialization"):
+        return
+    if all(getattr(layer, "is_initialized", True) or not getattr(layer, "supports_early_init", False) for layer in layers):
+        return
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "qk_head_dim", None) is not None:
+        return  # MLA: keys and values differ in size; Hugging Face does not initialise these early either
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if not isinstance(ids, torch.Tensor):
+        return
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    param = next(model.parameters())
+    cache.early_initialization(ids.shape[0], heads, head_dim, param.dtype, param.device)
 
 
 def _mark_prefill_dynamic(args, kwargs) -> None:

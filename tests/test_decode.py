@@ -69,6 +69,20 @@ def test_side_caches_keep_their_addresses_and_a_new_sequence_resets_them():
     assert sig[:, :, :5].any() and not sig[:, :, 5:].any()
 
 
+def test_a_fresh_static_cache_is_allocated_outside_the_compiled_graph():
+    """Allocated inside the compiled prefill, the cache's tensors would not be static addresses,
+    and CUDA graphs would skip or break on them (seen on an H200)."""
+    model = tiny_model("llama", layers=2)
+    sparse_fx.compile(model, "hash", backend="eager", **PLAN_OPTIONS)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(4)), past_key_values=cache)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values, layer.cumulative_length):
+            assert getattr(t, "_dynamo_static_input_type", None) is not None
+        assert layer.keys.shape[0] == 2 and layer.keys.dtype == next(model.parameters()).dtype
+
+
 @pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "static-g2"])
 def test_generate_with_budget_covering_context_equals_dense(plan):
     model = tiny_model("qwen3", layers=4)
