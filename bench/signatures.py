@@ -70,9 +70,12 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--sparsity", default="16,32")
     ap.add_argument("--heldout-windows", type=int, default=2, help="held-out windows per context for recall")
-    ap.add_argument("--train-windows", type=int, default=16)
-    ap.add_argument("--epochs", type=int, default=None, help="default: TrainConfig's")
+    ap.add_argument("--train-windows", type=int, default=8, help="default: train_signatures'")
+    ap.add_argument("--steps", type=int, default=None, help="default: TrainConfig's")
     ap.add_argument("--train-context", type=int, default=None, help="default: TrainConfig's (train at the deployed length)")
+    ap.add_argument("--also-train-at", default="8192",
+                    help="contexts to train more encoders at (same tokens: fewer, longer windows), recall only; '' for none")
+    ap.add_argument("--harness-sparsity", default=None, help="sparsities of the model-level part (default: --sparsity)")
     ap.add_argument("--encoders", default=str(cache_root() / "encoders" / "smollm2-b32"))
     ap.add_argument("--harness-contexts", default=None, help="contexts of the model-level part (default: --contexts)")
     ap.add_argument("--skip-harness", action="store_true")
@@ -87,7 +90,7 @@ def main() -> None:
     model, tok = load_model()
     contexts = [int(x) for x in a.contexts.split(",")]
     fractions = [1 / int(x) for x in a.sparsity.split(",")]
-    overrides = {k: v for k, v in (("epochs", a.epochs), ("context", a.train_context)) if v}
+    overrides = {k: v for k, v in (("steps", a.steps), ("context", a.train_context)) if v}
     cfg = TrainConfig(**overrides)
     report = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "machine": f"{platform.machine()} {os.cpu_count()} cpus", "train_config": dataclasses.asdict(cfg)}
@@ -99,15 +102,23 @@ def main() -> None:
     layers, history = train_on_windows(data, cfg)
     t_train = time.perf_counter() - t0
     enc = SignatureEncoders(layers, cfg.bits, fingerprint(model), {
-        "train_config": dataclasses.asdict(cfg), "loss_per_epoch": history,
+        "train_config": dataclasses.asdict(cfg), "loss_history": history,
         "train_seconds": t_train, "data": {"source": "sparse_fx.data split 'train'", "windows": a.train_windows,
                                            "tokens": cfg.context}})
     enc.save(a.encoders)
+    t1 = time.perf_counter()
     per_query_layers, pq_history = train_on_windows(data, TrainConfig(**{**enc.metadata["train_config"], "key_sharing": "query"}))
     del data
-    report["train"] = {"capture_s": t_capture, "total_s": t_train, "loss_per_epoch": history,
-                       "per_query_head_loss_per_epoch": pq_history}
+    report["train"] = {"capture_s": t_capture, "total_s": t_train, "loss_history": history,
+                       "per_query_head_s": time.perf_counter() - t1, "per_query_head_loss_history": pq_history}
     print(f"trained in {t_train:.0f} s (capture {t_capture:.0f} s); loss {history[0]:.4f} -> {history[-1]:.4f}", flush=True)
+    at_length = {}
+    for n in [int(x) for x in a.also_train_at.split(",") if x]:
+        t1 = time.perf_counter()
+        cfg_n = TrainConfig(**{**dataclasses.asdict(cfg), "context": n})
+        windows = max(1, a.train_windows * cfg.context // n)
+        at_length[n], hist_n = train_on_windows(capture_windows(model, token_windows(tok, "train", n, windows, seed=cfg.seed), cfg_n), cfg_n)
+        report["train"][f"trained_at_{n}"] = {"windows": windows, "total_s": time.perf_counter() - t1, "loss_history": hist_n}
 
     q_heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
     lsh = {b: [lsh_layer(q_heads, kv_heads, d, b, seed=l) for l in range(model.config.num_hidden_layers)] for b in (32, 128, 256)}
@@ -118,6 +129,8 @@ def main() -> None:
         row = {"oracle": selection_recall(held, oracle_fn, fractions),
                "learned-32": selection_recall(held, hamming_fn(enc.layers), fractions),
                "learned-32 per-query-head keys": selection_recall(held, hamming_fn(per_query_layers), fractions, per_query_head=True)}
+        for m, layers_m in at_length.items():
+            row[f"learned-32 trained at {m}"] = selection_recall(held, hamming_fn(layers_m), fractions)
         for b, layers_b in lsh.items():
             row[f"lsh-{b}"] = selection_recall(held, hamming_fn(layers_b), fractions)
         recall[n] = {name: {f"1/{round(1 / f)}": v for f, v in r.items()} for name, r in row.items()}
@@ -136,7 +149,8 @@ def main() -> None:
         sparse_fx.Plan.parse("hash", encoders=a.encoders).save(plan_file)
         harness_contexts = [int(x) for x in a.harness_contexts.split(",")] if a.harness_contexts else contexts
         settings = quality.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=harness_contexts,
-                                    sparsities=[int(x) for x in a.sparsity.split(",")], passkey_trials=0, depths=[])
+                                    sparsities=[int(x) for x in (a.harness_sparsity or a.sparsity).split(",")],
+                                    passkey_trials=0, depths=[])
         report["harness"] = quality.run(model, tok, settings)
         save(report, recall, Path(a.out))
     print(markdown(report))
@@ -160,9 +174,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
     t = report["train"]
     c = report["train_config"]
-    lines += ["", f"Training (`{report['command']}`: {c['epochs']} epochs at {c['context']} tokens; {report['machine']}): "
+    lines += ["", f"Training (`{report['command']}`: {c['steps']} Adam steps of {c['batch_queries']} queries x "
+              f"{c['batch_keys']} keys, windows of {c['context']} tokens; {report['machine']}): "
               f"{t['total_s']:.0f} s including {t['capture_s']:.0f} s of capture; "
-              f"loss per epoch {', '.join(f'{x:.4f}' for x in t['loss_per_epoch'])}."]
+              f"loss (first step, then each tenth) {', '.join(f'{x:.4f}' for x in t['loss_history'])}."]
     if "harness" in report:
         lines += ["", "Model level (bench/quality.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
                   "| plan | context | sparsity | agreement | CE delta | recall@32 |", "|---|---|---|---|---|---|"]

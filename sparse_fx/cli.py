@@ -27,8 +27,8 @@ def main(argv=None) -> None:
     train.add_argument("--out", required=True, help="directory to write encoders.safetensors + encoders.json")
     train.add_argument("--bits", type=int, default=32)
     train.add_argument("--context", type=int, default=4096, help="tokens per training window (train at the deployed context)")
-    train.add_argument("--windows", type=int, default=16, help="training windows from the train split")
-    train.add_argument("--epochs", type=int, default=12)
+    train.add_argument("--windows", type=int, default=8, help="training windows from the train split")
+    train.add_argument("--steps", type=int, default=600, help="Adam steps")
     train.add_argument("--seed", type=int, default=0)
 
     cal = sub.add_parser("calibrate", help="choose Prism proposal layers by greedy search; write the plan as JSON")
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
         model, tok = load_model(args.model)
         start = time.perf_counter()
         enc = train_signatures(model, tokenizer=tok, bits=args.bits, context=args.context, windows=args.windows,
-                               epochs=args.epochs, seed=args.seed)
+                               steps=args.steps, seed=args.seed)
         enc.metadata["train_seconds"] = time.perf_counter() - start
         enc.save(args.out)
         print(f"saved {args.bits}-bit encoders for {args.model} to {args.out} ({enc.metadata['train_seconds']:.0f} s)")
