@@ -42,6 +42,35 @@ def test_trained_encoders_beat_random_ones_on_their_own_objective():
     assert trained_history[-1] < history[0]
 
 
+def test_sampled_loss_is_the_weighted_bce_of_the_sampled_pairs():
+    """The softplus form of the loss equals torch's weighted BCE over the sampled (query, key)
+    pairs (positives alpha + beta * n, negatives 1, future keys 0), for all keys and a subsample."""
+    from sparse_fx.train import Window, _loss, _mlp
+
+    gen = torch.Generator().manual_seed(5)
+    layers, hq, hkv, T, S, D, top = 2, 4, 2, 40, 6, 8, 5
+    positions = torch.sort(torch.randint(top + 2, T, (S,), generator=gen)).values
+    queries = torch.randn(layers, hq, S, D, generator=gen)
+    keys = torch.randn(layers, hkv, T, D, generator=gen).half()
+    logits = queries @ keys.float().repeat_interleave(2, 1).transpose(-1, -2)
+    logits = logits.masked_fill(torch.arange(T) > positions[:, None], float("-inf"))
+    w = Window(keys, queries, torch.topk(logits, top, -1).indices.int(), positions)
+    cfg = TrainConfig(bits=32, hidden=16, context=T * 10, top=top, alpha=1.5, beta=0.25)
+    q_enc, k_enc = _mlp(layers * hq, D, 16, 32, gen), _mlp(layers * hkv, D, 16, 32, gen)
+    temp, bias = torch.rand(layers * hq, 1, 1, generator=gen) + 0.1, torch.randn(layers * hq, 1, 1, generator=gen)
+    for kj in (torch.arange(T), torch.sort(torch.randperm(T, generator=gen)[:17]).values):
+        qi = torch.tensor([4, 0, 2])
+        got = _loss(w, qi, kj, q_enc, k_enc, temp, bias, cfg, G=2)
+        qb = torch.tanh(q_enc(queries[:, :, qi].reshape(1, -1, 3, D).double()))[0]
+        kb = torch.tanh(k_enc(keys[:, :, kj].double().reshape(1, -1, len(kj), D)))[0].reshape(layers, hkv, -1, 32)
+        x = (qb @ kb.repeat_interleave(2, 1).reshape(layers * hq, -1, 32).transpose(-1, -2)) * temp.double() + bias.double()
+        target = (kj[None, None, :, None] == w.ranked[:, :, qi].reshape(layers * hq, 3, 1, top)).any(-1).double()
+        n = (positions[qi] + 1).double()[None, :, None]
+        weight = (kj[None, None, :] <= positions[qi][None, :, None]) * torch.where(target > 0, 1.5 + 0.25 * n, 1.0)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(x, target, weight=weight, reduction="sum")
+        torch.testing.assert_close(got.double(), bce / weight.sum(), rtol=1e-5, atol=1e-6)
+
+
 def test_save_load_round_trip_and_compile_from_path(trained, tmp_path):
     model, enc = trained
     enc.save(tmp_path / "enc")
