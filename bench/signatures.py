@@ -2,14 +2,15 @@
 """Learned HashAttention signatures vs LSH on SmolLM2-135M-Instruct (offline, CPU).
 
 1. Train 32-bit encoders with the defaults of `sparse_fx.train_signatures` on the training split
-   (timed), and, on the same captured data, the per-query-head key variant (key_sharing="query").
+   (timed), and, on the same captured data, the per-query-head key variant (key_sharing="query");
+   then encoders trained the same way at each --also-train-at length (same number of tokens).
 2. Selection recall@32 on held-out windows at each context and sparsity: the top n/s keys by
    Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
    learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle.
 3. Model level, through the quality harness (bench/quality.py): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
-    python bench/signatures.py                      # defaults: about 45 minutes on 2 cores
+    python bench/signatures.py --harness-contexts 2048,4096 --harness-sparsity 16   # ~75 min on 2 cores
 Writes bench/results/signatures.json, signatures.md and signatures-recall.png; the encoders go to
 --encoders (default ~/.cache/sparse_fx/encoders/smollm2-b32, not committed: weights).
 """
