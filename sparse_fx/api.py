@@ -157,8 +157,13 @@ def _initialise_static_cache(model: torch.nn.Module, args, kwargs) -> None:
 
     Left to allocate lazily, it would do so inside our compiled prefill, where Hugging Face cannot
     mark its tensors as static addresses; CUDA graphs then skip the prefill ("mutated inputs") and
-    the decode graph's launch fails on the unmarked cache tensors.
+    the decode graph's launch fails on the unmarked cache tensors. Only on CUDA, where CUDA graphs
+    run: on CPU, compiling several model families in one process with early-allocated caches
+    gave a GPT-NeoX prefill symbolic head shapes that our backend cannot handle (not understood yet).
     """
+    param = next(model.parameters())
+    if not param.is_cuda:
+        return
     cache = kwargs.get("past_key_values")
     layers = getattr(cache, "layers", None)
     if not layers or not hasattr(cache, "early_initialization"):
@@ -175,7 +180,6 @@ def _initialise_static_cache(model: torch.nn.Module, args, kwargs) -> None:
         return
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    param = next(model.parameters())
     cache.early_initialization(ids.shape[0], heads, head_dim, param.dtype, param.device)
 
 

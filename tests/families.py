@@ -42,7 +42,10 @@ def tiny_model(family: str, layers: int = 4, heads: int = 4, kv_heads: int = 2, 
         **extra,
     )
     fields.update(overrides)
-    config = getattr(transformers, config_name)(**fields)
+    config_class = getattr(transformers, config_name)
+    if not hasattr(config_class(), "num_key_value_heads"):
+        del fields["num_key_value_heads"]  # e.g. GPT-NeoX: no GQA; a stray field would misstate the KV heads
+    config = config_class(**fields)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config).eval()

@@ -69,18 +69,23 @@ def test_side_caches_keep_their_addresses_and_a_new_sequence_resets_them():
     assert sig[:, :, :5].any() and not sig[:, :, 5:].any()
 
 
-def test_a_fresh_static_cache_is_allocated_outside_the_compiled_graph():
+def test_a_fresh_static_cache_is_allocated_outside_the_compiled_graph(monkeypatch):
     """Allocated inside the compiled prefill, the cache's tensors would not be static addresses,
-    and CUDA graphs would skip or break on them (seen on an H200)."""
+    and CUDA graphs would skip or break on them (seen on an H200). Here the CUDA check is faked."""
+    from sparse_fx import api
+
     model = tiny_model("llama", layers=2)
-    sparse_fx.compile(model, "hash", backend="eager", **PLAN_OPTIONS)
     cache = StaticCache(config=model.config, max_cache_len=32)
-    with torch.no_grad():
-        model(torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(4)), past_key_values=cache)
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    api._initialise_static_cache(model, (ids,), {"past_key_values": cache})
+    assert not cache.layers[0].is_initialized, "on CPU the cache stays lazy"
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    api._initialise_static_cache(model, (ids,), {"past_key_values": cache})
+    monkeypatch.undo()
     for layer in cache.layers:
         for t in (layer.keys, layer.values, layer.cumulative_length):
             assert getattr(t, "_dynamo_static_input_type", None) is not None
-        assert layer.keys.shape[0] == 2 and layer.keys.dtype == next(model.parameters()).dtype
+        assert layer.keys.shape == (2, 2, 32, 16) and layer.keys.dtype == next(model.parameters()).dtype
 
 
 @pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "static-g2"])
