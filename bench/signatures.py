@@ -10,7 +10,7 @@
 3. Model level, through the quality harness (bench/quality.py): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
-    python bench/signatures.py --harness-contexts 2048,4096 --harness-sparsity 16   # ~75 min on 2 cores
+    python bench/signatures.py --harness-contexts 2048,4096 --harness-sparsity 16   # ~1 h on 2 cores
 Writes bench/results/signatures.json, signatures.md and signatures-recall.png; the encoders go to
 --encoders (default ~/.cache/sparse_fx/encoders/smollm2-b32, not committed: weights).
 """
