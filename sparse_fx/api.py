@@ -147,12 +147,19 @@ class SparseForward:
     def __call__(self, *args, **kwargs):
         if self.model.training:
             raise RuntimeError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval()")
-        _mark_prefill_dynamic(args, kwargs)
-        _initialise_static_cache(self.model, args, kwargs)
+        ids = _call_ids(args, kwargs)
+        _mark_prefill_dynamic(ids, kwargs)
+        _initialise_static_cache(self.model, ids, kwargs.get("past_key_values"))
         return self.compiled(*args, **kwargs)
 
 
-def _initialise_static_cache(model: torch.nn.Module, args, kwargs) -> None:
+def _call_ids(args, kwargs) -> torch.Tensor | None:
+    """The call's token ids (or input embeddings), positional or by keyword."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if ids is None else ids
+
+
+def _initialise_static_cache(model: torch.nn.Module, ids, cache) -> None:
     """Allocate a fresh StaticCache before the compiled call, as `generate` does for compiled prefills.
 
     Left to allocate lazily, it would do so inside our compiled prefill, where Hugging Face cannot
@@ -161,33 +168,25 @@ def _initialise_static_cache(model: torch.nn.Module, args, kwargs) -> None:
     run: on CPU, compiling several model families in one process with early-allocated caches
     gave a GPT-NeoX prefill symbolic head shapes that our backend cannot handle (not understood yet).
     """
-    param = next(model.parameters())
-    if not param.is_cuda:
-        return
-    cache = kwargs.get("past_key_values")
     layers = getattr(cache, "layers", None)
-    if not layers or not hasattr(cache, "early_initialization"):
+    if not layers or not hasattr(cache, "early_initialization") or not isinstance(ids, torch.Tensor):
         return
     if all(getattr(layer, "is_initialized", True) or not getattr(layer, "supports_early_init", False) for layer in layers):
+        return
+    param = next(model.parameters())
+    if not param.is_cuda:
         return
     text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     if getattr(text, "qk_head_dim", None) is not None:
         return  # MLA: keys and values differ in size; Hugging Face does not initialise these early either
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
-    if not isinstance(ids, torch.Tensor):
-        return
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    cache.early_initialization(ids.shape[0], heads, head_dim, param.dtype, param.device)
+    from .train import fingerprint
+
+    shape = fingerprint(model)
+    cache.early_initialization(ids.shape[0], shape["kv_heads"], shape["head_dim"], param.dtype, param.device)
 
 
-def _mark_prefill_dynamic(args, kwargs) -> None:
+def _mark_prefill_dynamic(ids, kwargs) -> None:
     """One prefill graph for every prompt length: a multi-token call's sequence dims are dynamic."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
     if not (isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] > 1):
         return
     for t in (ids, kwargs.get("attention_mask"), kwargs.get("position_ids")):

@@ -77,10 +77,10 @@ def test_a_fresh_static_cache_is_allocated_outside_the_compiled_graph(monkeypatc
     model = tiny_model("llama", layers=2)
     cache = StaticCache(config=model.config, max_cache_len=32)
     ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(4))
-    api._initialise_static_cache(model, (ids,), {"past_key_values": cache})
+    api._initialise_static_cache(model, ids, cache)
     assert not cache.layers[0].is_initialized, "on CPU the cache stays lazy"
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    api._initialise_static_cache(model, (ids,), {"past_key_values": cache})
+    api._initialise_static_cache(model, ids, cache)
     monkeypatch.undo()
     for layer in cache.layers:
         for t in (layer.keys, layer.values, layer.cumulative_length):
