@@ -265,30 +265,35 @@ def _token_windows(texts, tokenizer, config: TrainConfig, windows: int) -> tuple
 
 
 def selection_recall(
-    data: list[Window], score_fn, fractions=(1 / 16, 1 / 32), k: int = 32, per_query_head: bool = False
+    data: list[Window], score_fn, fractions=(1 / 16, 1 / 32), k: int = 32, per_query_head: bool = False,
+    fixed: tuple[int, int] = (0, 0),
 ) -> dict[float, float]:
     """Recall@k of selecting the top n*fraction keys by `score_fn`, averaged over queries and heads.
 
     score_fn(layer, queries [Hq,S,D], keys [Hkv,T,D], positions [S]) -> scores [Hkv or Hq, S, T]
     (higher first; keys after a query's position are ignored);
     a KV head's score selects for all its query heads unless `per_query_head`.
+    fixed = (sink, local): keys always kept on top of the budget, as a plan keeps its first `sink`
+    and last `local` tokens; (0, 0) measures the score alone.
     """
+    sink, local = fixed
     hits = {f: [] for f in fractions}
     for w in data:
         layers, Hq, S, _ = w.queries.shape
         T = w.keys.shape[2]
-        future = torch.arange(T)[None, :] > w.positions[:, None]  # [S,T]
+        key = torch.arange(T)[None, :]
+        future = key > w.positions[:, None]  # [S,T]
+        kept = ((key < sink) | (key > w.positions[:, None] - local)) & ~future
         for layer in range(layers):
             scores = score_fn(layer, w.queries[layer], w.keys[layer].float(), w.positions).float()
             if not per_query_head:
                 scores = scores.repeat_interleave(Hq // scores.shape[0], 0)
-            scores = scores.masked_fill(future[None], float("-inf"))
+            scores = scores.masked_fill(future[None], float("-inf")).masked_fill(kept[None], float("inf"))
             truth = w.ranked[layer, :, :, :k]  # [Hq,S,k]
             for f in fractions:
-                m = max(1, int(T * f))
-                chosen = torch.topk(scores, m, dim=-1).indices
-                budget_ok = torch.arange(m)[None, None, :] < ((w.positions + 1) * f).clamp(min=1).long()[None, :, None]
-                chosen = torch.where(budget_ok, chosen, -1)  # a query sees positions+1 keys: budget n*f
+                budget = ((w.positions + 1) * f).clamp(min=1).long() + kept.sum(-1)  # a query sees positions+1 keys
+                chosen = torch.topk(scores, min(T, int(budget.max())), dim=-1).indices
+                chosen = torch.where(torch.arange(chosen.shape[-1])[None, None, :] < budget[None, :, None], chosen, -1)
                 hit = (truth[..., :, None] == chosen[..., None, :]).any(-1).float().mean()
                 hits[f].append(float(hit))
     return {f: sum(v) / len(v) for f, v in hits.items()}

@@ -25,7 +25,7 @@ def model_on_gpu(dtype=torch.bfloat16):
     return m.to("cuda", dtype)
 
 
-def decode(model, ids, prefill, steps=None):
+def decode(model, ids, prefill):
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 8)
@@ -33,8 +33,32 @@ def decode(model, ids, prefill, steps=None):
     with torch.no_grad():
         model(ids[:, :prefill], past_key_values=cache)
         for t in range(prefill, ids.shape[1]):
-            out.append(model(ids[:, t : t + 1], past_key_values=cache).logits.float())
+            out.append(model(ids[:, t : t + 1], past_key_values=cache).logits.float().clone())
     return out, cache
+
+
+def knife_edge_steps(base, plan, ids, prefill, expect) -> set[int]:
+    """Decode steps whose eager output moves by more than 1e-3 when every weight moves by a relative
+    1e-7 (dense logits move ~1e-6): a selection decided on a near tie, which any change of rounding,
+    Inductor's included, may flip. Compiled graphs are compared with eager on the other steps."""
+    edge = set()
+    for seed in (0, 1):
+        model = copy.deepcopy(base)
+        g = torch.Generator("cuda").manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 1e-7 * torch.randn(p.shape, device=p.device, generator=g))
+        got, _ = decode(sparse_fx.compile(model, plan, backend="eager", **OPTIONS), ids, prefill)
+        edge |= {i for i, (a, b) in enumerate(zip(got, expect)) if (a - b).abs().max() > 1e-3}
+    return edge
+
+
+def assert_matches_eager(base, plan, ids, prefill, got, expect):
+    edge = knife_edge_steps(base, plan, ids, prefill, expect)
+    assert len(edge) <= len(expect) // 5, f"{len(edge)} of {len(expect)} steps decide on near ties: pick other inputs"
+    for i, (a, b) in enumerate(zip(got, expect)):
+        if i not in edge:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, msg=lambda m: f"decode step {i}: {m}")
 
 
 @pytest.mark.parametrize("plan", ["hash", "prism-g2"])
@@ -51,18 +75,19 @@ def test_inductor_emits_our_kernels_and_matches_the_eager_graph(plan):
     for name in KERNELS[plan]:
         assert name in source, f"{name} is not in Inductor's generated code"
     got, _ = decode(compiled, ids, 400)
-    for a, b in zip(got, expect):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    assert_matches_eager(base, plan, ids, 400, got, expect)
     assert sparse_fx.explain(compiled).sparse_layers == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("plan", ["hash", "prism-g2", "static-g2"])
 def test_cuda_graphs_capture_decode_without_recompiles(plan):
+    """Replaying captured graphs gives what the same Inductor code gives uncaptured, to the bit's
+    neighbourhood: eager is the wrong reference here, its rounding differs and flips near ties."""
     from torch._dynamo.utils import counters
 
     base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (2, 330), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    expect, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", **OPTIONS), ids, 300)
+    expect, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **OPTIONS), ids, 300)
     model = sparse_fx.compile(copy.deepcopy(base), plan, mode="reduce-overhead", **OPTIONS)
     counters.clear()
     from transformers import StaticCache
@@ -79,7 +104,7 @@ def test_cuda_graphs_capture_decode_without_recompiles(plan):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert [t.data_ptr() for t in sparse_state(model).side_caches.of_layer(0)] == ptrs
     for a, b in zip(got, expect):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_budget_covering_context_equals_dense_on_gpu():

@@ -71,6 +71,38 @@ def test_sampled_loss_is_the_weighted_bce_of_the_sampled_pairs():
         torch.testing.assert_close(got.double(), bce / weight.sum(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fixed", [(0, 0), (3, 4)])
+def test_selection_recall_counts_the_true_top_k_inside_the_budget(fixed):
+    """Against a loop over queries: a query at position p keeps floor((p+1)/s) keys by score, plus
+    the first `sink` and last `local` keys when `fixed` is given; recall@k is the share of its true
+    top-k among them, averaged over layers, query heads and queries."""
+    from sparse_fx.train import Window, selection_recall
+
+    gen = torch.Generator().manual_seed(7)
+    layers, hq, hkv, T, S, D, k = 2, 4, 2, 48, 5, 8, 6
+    positions = torch.sort(torch.randint(20, T, (S,), generator=gen)).values
+    queries, keys = torch.randn(layers, hq, S, D, generator=gen), torch.randn(layers, hkv, T, D, generator=gen)
+    logits = (queries @ keys.repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(torch.arange(T) > positions[:, None], -1e9)
+    w = Window(keys.half(), queries, torch.topk(logits, k, -1).indices.int(), positions)
+    noise = torch.randn(layers, hkv, S, T, generator=gen)  # a score with no tie and no relation to attention
+
+    def score(layer, q, kk, pos):
+        return noise[layer]
+
+    sink, local = fixed
+    for s in (4, 8):
+        expect = []
+        for layer in range(layers):
+            for h in range(hq):
+                for i, p in enumerate(positions.tolist()):
+                    kept = {j for j in range(p + 1) if j < sink or j > p - local}
+                    rest = sorted((j for j in range(p + 1) if j not in kept), key=lambda j: -noise[layer, h // 2, i, j].item())
+                    chosen = kept | set(rest[: (p + 1) // s])
+                    expect.append(sum(int(j) in chosen for j in w.ranked[layer, h, i, :k]) / k)
+        got = selection_recall([w], score, fractions=(1 / s,), k=k, fixed=fixed)[1 / s]
+        assert got == pytest.approx(sum(expect) / len(expect), abs=1e-6)  # float32 means
+
+
 def test_save_load_round_trip_and_compile_from_path(trained, tmp_path):
     model, enc = trained
     enc.save(tmp_path / "enc")
