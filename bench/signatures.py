@@ -6,7 +6,8 @@
    then encoders trained the same way at each --also-train-at length (same number of tokens).
 2. Selection recall@32 on held-out windows at each context and sparsity: the top n/s keys by
    Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
-   learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle.
+   learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle; then again with the
+   plan's sink and local keys always kept, the score choosing only among the keys between them.
 3. Model level, through the quality harness (bench/quality.py): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
@@ -123,20 +124,25 @@ def main() -> None:
 
     q_heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
     lsh = {b: [lsh_layer(q_heads, kv_heads, d, b, seed=l) for l in range(model.config.num_hidden_layers)] for b in (32, 128, 256)}
-    recall = {}
+    plan = sparse_fx.Plan.parse("hash")
+    fixed = (plan.sink, plan.local)
+    recall, recall_fixed = {}, {}
     for n in contexts:
         held = capture_windows(model, token_windows(tok, "heldout", n, a.heldout_windows, seed=1),
                                TrainConfig(**{**enc.metadata["train_config"], "context": n, "queries": 64}))
-        row = {"oracle": selection_recall(held, oracle_fn, fractions),
-               "learned-32": selection_recall(held, hamming_fn(enc.layers), fractions),
-               "learned-32 per-query-head keys": selection_recall(held, hamming_fn(per_query_layers), fractions, per_query_head=True)}
+        scores = {"oracle": (oracle_fn, False), "learned-32": (hamming_fn(enc.layers), False),
+                  "learned-32 per-query-head keys": (hamming_fn(per_query_layers), True)}
         for m, layers_m in at_length.items():
-            row[f"learned-32 trained at {m}"] = selection_recall(held, hamming_fn(layers_m), fractions)
+            scores[f"learned-32 trained at {m}"] = (hamming_fn(layers_m), False)
         for b, layers_b in lsh.items():
-            row[f"lsh-{b}"] = selection_recall(held, hamming_fn(layers_b), fractions)
-        recall[n] = {name: {f"1/{round(1 / f)}": v for f, v in r.items()} for name, r in row.items()}
-        print(n, json.dumps(recall[n]), flush=True)
+            scores[f"lsh-{b}"] = (hamming_fn(layers_b), False)
+        for table, kept in ((recall, (0, 0)), (recall_fixed, fixed)):
+            table[n] = {name: {f"1/{round(1 / f)}": v for f, v in
+                               selection_recall(held, fn, fractions, per_query_head=pq, fixed=kept).items()}
+                        for name, (fn, pq) in scores.items()}
+            print(n, kept, json.dumps(table[n]), flush=True)
     report["selection_recall_at_32"] = recall
+    report["selection_recall_at_32_plan_windows"] = {"sink": fixed[0], "local": fixed[1], "recall": recall_fixed}
     save(report, recall, Path(a.out))
 
     if not a.skip_harness:
@@ -173,6 +179,15 @@ def markdown(report: dict) -> str:
     for n, row in rec.items():
         for f in fr:
             lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
+    if "selection_recall_at_32_plan_windows" in report:
+        w = report["selection_recall_at_32_plan_windows"]
+        lines += ["", f"The same with the plan's first {w['sink']} and last {w['local']} keys kept on top of the budget "
+                  "(what the `hash` plan serves; the score decides only among the keys between them):", "",
+                  "| context | sparsity | " + " | ".join(next(iter(w["recall"].values()))) + " |",
+                  "|---|---|" + "---|" * len(next(iter(w["recall"].values())))]
+        for n, row in w["recall"].items():
+            for f in fr:
+                lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
     t = report["train"]
     c = report["train_config"]
     lines += ["", f"Training (`{report['command']}`: {c['steps']} Adam steps of {c['batch_queries']} queries x "
