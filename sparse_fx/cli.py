@@ -22,14 +22,15 @@ def main(argv=None) -> None:
     explain = sub.add_parser("explain", help="print what a plan does to SmolLM2's attention")
     explain.add_argument("plan", nargs="?", default="prism-g4")
 
-    train = sub.add_parser("train-signatures", help="train HashAttention encoders on a model (frozen) and save them")
+    train = sub.add_parser("train-signatures", help="train HashAttention encoders on a model (frozen) and save them",
+                           description="Options left unset take the defaults of sparse_fx.train_signatures.")
     train.add_argument("--model", default="smollm2", help="the model to train for (offline: smollm2)")
     train.add_argument("--out", required=True, help="directory to write encoders.safetensors + encoders.json")
-    train.add_argument("--bits", type=int, default=32)
-    train.add_argument("--context", type=int, default=4096, help="tokens per training window (train at the deployed context)")
-    train.add_argument("--windows", type=int, default=8, help="training windows from the train split")
-    train.add_argument("--steps", type=int, default=600, help="Adam steps")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--bits", type=int)
+    train.add_argument("--context", type=int, help="tokens per training window (train at the deployed context)")
+    train.add_argument("--windows", type=int, help="training windows from the train split")
+    train.add_argument("--steps", type=int, help="Adam steps")
+    train.add_argument("--seed", type=int)
 
     cal = sub.add_parser("calibrate", help="choose Prism proposal layers by greedy search; write the plan as JSON")
     cal.add_argument("--model", default="smollm2")
@@ -58,11 +59,11 @@ def main(argv=None) -> None:
 
         model, tok = load_model(args.model)
         start = time.perf_counter()
-        enc = train_signatures(model, tokenizer=tok, bits=args.bits, context=args.context, windows=args.windows,
-                               steps=args.steps, seed=args.seed)
+        given = {k: getattr(args, k) for k in ("bits", "context", "windows", "steps", "seed") if getattr(args, k) is not None}
+        enc = train_signatures(model, tokenizer=tok, **given)
         enc.metadata["train_seconds"] = time.perf_counter() - start
         enc.save(args.out)
-        print(f"saved {args.bits}-bit encoders for {args.model} to {args.out} ({enc.metadata['train_seconds']:.0f} s)")
+        print(f"saved {enc.bits}-bit encoders for {args.model} to {args.out} ({enc.metadata['train_seconds']:.0f} s)")
     elif args.command == "calibrate":
         from .calibrate import calibrate
         from .models import load_model
