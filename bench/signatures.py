@@ -170,24 +170,24 @@ def save(report: dict, recall: dict, out: Path) -> None:
     plot(recall, out / "signatures-recall.png")
 
 
-def markdown(report: dict) -> str:
-    rec = report["selection_recall_at_32"]
-    fr = list(next(iter(next(iter(rec.values())).values())))
-    lines = ["Selection recall@32 (top n/s keys by score vs each query head's true top-32), held-out text:", "",
-             "| context | sparsity | " + " | ".join(next(iter(rec.values()))) + " |",
-             "|---|---|" + "---|" * len(next(iter(rec.values())))]
+def recall_table(rec: dict) -> list[str]:
+    """Markdown rows of context -> method -> sparsity -> recall."""
+    names = list(next(iter(rec.values())))
+    lines = ["| context | sparsity | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for n, row in rec.items():
-        for f in fr:
-            lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
+        for f in row[names[0]]:
+            lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in names) + " |")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    lines = ["Selection recall@32 (top n/s keys by score vs each query head's true top-32), held-out text:", "",
+             *recall_table(report["selection_recall_at_32"])]
     if "selection_recall_at_32_plan_windows" in report:
         w = report["selection_recall_at_32_plan_windows"]
         lines += ["", f"The same with the plan's first {w['sink']} and last {w['local']} keys kept on top of the budget "
                   "(what the `hash` plan serves; the score decides only among the keys between them):", "",
-                  "| context | sparsity | " + " | ".join(next(iter(w["recall"].values()))) + " |",
-                  "|---|---|" + "---|" * len(next(iter(w["recall"].values())))]
-        for n, row in w["recall"].items():
-            for f in fr:
-                lines.append(f"| {n} | {f} | " + " | ".join(f"{row[name][f]:.3f}" for name in row) + " |")
+                  *recall_table(w["recall"])]
     t = report["train"]
     c = report["train_config"]
     lines += ["", f"Training (`{report['command']}`: {c['steps']} Adam steps of {c['batch_queries']} queries x "
