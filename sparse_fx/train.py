@@ -157,9 +157,10 @@ def train_on_windows(data: list[Window], config: TrainConfig, progress: bool = T
         loss.backward()
         opt.step()
         sched.step()
+        value = loss.item()
         if step == 0:
-            history.append(loss.item())
-        window_sum, window_n = window_sum + loss.item(), window_n + 1
+            history.append(value)
+        window_sum, window_n = window_sum + value, window_n + 1
         if window_n == every or step == config.steps - 1:
             history.append(window_sum / window_n)
             window_sum, window_n = 0.0, 0
