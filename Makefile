@@ -9,7 +9,7 @@ STAMP := $(VENV)/.sparse_fx-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-slow test-gpu bench-kernels clean-venv
+.PHONY: demo test test-slow clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -79,7 +79,8 @@ def fingerprint(model) -> dict:
 
 
 def capture_windows(model, windows: torch.Tensor, config: TrainConfig, progress: bool = True) -> list[Window]:
-    """Run the frozen model over token windows [N, T]; keep per-layer keys, sampled queries, labels."""
+    """Run the frozen model over token windows [N, T]; keep per-layer keys, sampled queries, labels,
+    on the model's device (the labels' logits are the costly part after the forward pass)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -100,23 +101,24 @@ def capture_windows(model, windows: torch.Tensor, config: TrainConfig, progress:
             captured.clear()
             with torch.no_grad():
                 model(ids[None].to(device), use_cache=False)
-            out.append(_window(captured, ids.shape[0], config, gen))
+            out.append(_window(captured, ids.shape[0], config, gen, device))
     finally:
         model.config._attn_implementation = previous
     return out
 
 
-def _window(captured, T: int, config: TrainConfig, gen: torch.Generator) -> Window:
+def _window(captured, T: int, config: TrainConfig, gen: torch.Generator, device) -> Window:
     low = max(T // 8, 2 * config.top)
-    positions = torch.sort(torch.randint(low, T, (config.queries,), generator=gen)).values
+    positions = torch.sort(torch.randint(low, T, (config.queries,), generator=gen)).values.to(device)
     keys, queries, ranked = [], [], []
     for layer in sorted(captured):
         q, k = captured[layer]  # [1,Hq,T,D], [1,Hkv,T,D]
-        q, k = q[0].float().cpu(), k[0].float().cpu()
+        q, k = q[0].float(), k[0].float()
         G = q.shape[0] // k.shape[0]
         qs = q[:, positions]  # [Hq,S,D]
         logits = qs @ k.repeat_interleave(G, 0).transpose(-1, -2)  # [Hq,S,T]; softmax order = logit order
-        logits = logits.masked_fill(torch.arange(T)[None, None, :] > positions[None, :, None], float("-inf"))
+        future = torch.arange(T, device=device)[None, None, :] > positions[None, :, None]
+        logits = logits.masked_fill(future, float("-inf"))
         ranked.append(torch.topk(logits, max(config.top, 32), dim=-1).indices.int())
         keys.append(k.half())
         queries.append(qs)
@@ -131,8 +133,11 @@ def _mlp(heads: int, d_in: int, hidden: int, bits: int, gen: torch.Generator) ->
 
 
 def train_on_windows(data: list[Window], config: TrainConfig, progress: bool = True) -> tuple[list[LayerEncoders], list[float]]:
-    """Adam on all layers' encoders at once; returns per-layer encoders and the loss, averaged over
-    each tenth of the steps (the first entry is the untrained encoders' loss on the first step)."""
+    """Adam on all layers' encoders at once, on the device the windows are on; returns per-layer
+    encoders (on the CPU) and the loss, averaged over each tenth of the steps (the first entry is
+    the untrained encoders' loss on the first step). The initial weights and the sampled batches
+    come from CPU generators, so a seed picks the same run on every device."""
+    device = data[0].keys.device
     layers, Hq, S, D = data[0].queries.shape
     Hkv = data[0].keys.shape[1]
     G = Hq // Hkv
@@ -140,8 +145,9 @@ def train_on_windows(data: list[Window], config: TrainConfig, progress: bool = T
     gen = torch.Generator().manual_seed(config.seed)
     q_enc = _mlp(layers * Hq, D, config.hidden, config.bits, gen)
     k_enc = _mlp(layers * k_heads, D, config.hidden, config.bits, gen)
-    temp = torch.full((layers * Hq, 1, 1), 4.0 / math.sqrt(config.bits))
-    bias = torch.zeros(layers * Hq, 1, 1)
+    q_enc, k_enc = q_enc.to(device), k_enc.to(device)
+    temp = torch.full((layers * Hq, 1, 1), 4.0 / math.sqrt(config.bits), device=device)
+    bias = torch.zeros(layers * Hq, 1, 1, device=device)
     params = [t.requires_grad_() for t in q_enc.weights + q_enc.biases + k_enc.weights + k_enc.biases + [temp, bias]]
     opt = torch.optim.Adam(params, lr=config.lr)
     warm = max(1, config.steps // 30)
@@ -152,9 +158,9 @@ def train_on_windows(data: list[Window], config: TrainConfig, progress: bool = T
     bar = tqdm(range(config.steps), desc="train signatures", disable=not progress)
     for step in bar:
         w = data[int(torch.randint(len(data), (1,), generator=gen))]
-        queries = torch.randperm(S, generator=gen)[: config.batch_queries]
+        queries = torch.randperm(S, generator=gen)[: config.batch_queries].to(device)
         T = w.keys.shape[2]
-        keys = torch.sort(torch.randperm(T, generator=gen)[: config.batch_keys]).values
+        keys = torch.sort(torch.randperm(T, generator=gen)[: config.batch_keys]).values.to(device)
         opt.zero_grad()
         loss = _loss(w, queries, keys, q_enc, k_enc, temp, bias, config, G)
         loss.backward()
@@ -177,7 +183,7 @@ def train_on_windows(data: list[Window], config: TrainConfig, progress: bool = T
 
 
 def _slice(mlp: HeadMLP, a: int, b: int) -> HeadMLP:
-    return HeadMLP([w[a:b].detach().clone() for w in mlp.weights], [x[a:b].detach().clone() for x in mlp.biases])
+    return HeadMLP([w[a:b].detach().cpu().clone() for w in mlp.weights], [x[a:b].detach().cpu().clone() for x in mlp.biases])
 
 
 def _loss(w: Window, qi, kj, q_enc: HeadMLP, k_enc: HeadMLP, temp, bias, config: TrainConfig, G: int) -> torch.Tensor:
@@ -199,8 +205,8 @@ def _loss(w: Window, qi, kj, q_enc: HeadMLP, k_enc: HeadMLP, temp, bias, config:
     pos = w.positions[qi]
     visible = kj[None, :] <= pos[:, None]
     dense = torch.nn.functional.softplus(logits.masked_fill(~visible[None], float("-inf"))).sum()
-    column = torch.full((T,), -1, dtype=torch.long)
-    column[kj] = torch.arange(len(kj))
+    column = torch.full((T,), -1, dtype=torch.long, device=kj.device)
+    column[kj] = torch.arange(len(kj), device=kj.device)
     col = column[w.ranked[:, :, qi, : config.top].long()].reshape(layers * Hq, len(qi), config.top)
     present = col >= 0  # labels are visible keys, so a sampled positive is always visible
     x = logits.gather(2, col.clamp(min=0))
@@ -228,7 +234,7 @@ def train_signatures(
     disjoint from the held-out split; needs `tokenizer`). options: fields of `TrainConfig`
     (hidden, queries, top, alpha, beta, steps, batch_queries, batch_keys, lr, seed, key_sharing).
     With the defaults, SmolLM2-135M trains in about 14 minutes on 2 CPU cores. Deterministic under
-    `seed`; runs where the model is (CPU or GPU) for the forward passes, trains on the CPU.
+    `seed`; captures and trains where the model is (CPU or GPU).
     """
     config = TrainConfig(bits=bits, context=context, **options)
     ids, source = _token_windows(texts, tokenizer, config, windows)
@@ -285,7 +291,7 @@ def selection_recall(
     for w in data:
         layers, Hq, S, _ = w.queries.shape
         T = w.keys.shape[2]
-        key = torch.arange(T)[None, :]
+        key = torch.arange(T, device=w.positions.device)[None, :]
         future = key > w.positions[:, None]  # [S,T]
         kept = ((key < sink) | (key > w.positions[:, None] - local)) & ~future
         for layer in range(layers):
@@ -297,7 +303,8 @@ def selection_recall(
             for f in fractions:
                 budget = ((w.positions + 1) * f).clamp(min=1).long() + kept.sum(-1)  # a query sees positions+1 keys
                 chosen = torch.topk(scores, min(T, int(budget.max())), dim=-1).indices
-                chosen = torch.where(torch.arange(chosen.shape[-1])[None, None, :] < budget[None, :, None], chosen, -1)
+                rank = torch.arange(chosen.shape[-1], device=chosen.device)
+                chosen = torch.where(rank[None, None, :] < budget[None, :, None], chosen, -1)
                 hit = (truth[..., :, None] == chosen[..., None, :]).any(-1).float().mean()
                 hits[f].append(float(hit))
     return {f: sum(v) / len(v) for f, v in hits.items()}

@@ -115,3 +115,25 @@ def test_budget_covering_context_equals_dense_on_gpu():
         got, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, mode="default", budget=128, sink=4, local=4), ids, 100)
         for a, b in zip(got, dense):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_signature_training_runs_on_the_gpu_like_on_the_cpu():
+    """Capture and training follow the model onto the GPU: the same seed gives the same batches, so
+    the loss curve tracks the CPU run's (labels may differ on near ties of the logits), the run
+    repeats bit for bit, and the encoders come back on the CPU."""
+    from sparse_fx.train import TrainConfig, capture_windows, train_on_windows
+
+    cfg = TrainConfig(context=400, queries=24, top=8, steps=60, batch_queries=8, batch_keys=200, lr=3e-3, seed=0)
+    base = model_on_gpu(torch.float32)
+    ids = torch.randint(0, 256, (3, 400), generator=torch.Generator().manual_seed(0))
+    data = capture_windows(base, ids, cfg, progress=False)
+    assert data[0].keys.is_cuda and data[0].ranked.is_cuda
+    layers, history = train_on_windows(data, cfg, progress=False)
+    again, history_again = train_on_windows(data, cfg, progress=False)
+    assert history == history_again
+    assert all(torch.equal(a, b) for a, b in zip(layers[1].key.weights, again[1].key.weights))
+    assert layers[0].query.weights[0].device.type == "cpu"
+    assert history[-1] < 0.8 * history[0], history
+    cpu_model = copy.deepcopy(base).cpu()
+    _, cpu_history = train_on_windows(capture_windows(cpu_model, ids, cfg, progress=False), cfg, progress=False)
+    torch.testing.assert_close(torch.tensor(history), torch.tensor(cpu_history), rtol=0.05, atol=0.0)
