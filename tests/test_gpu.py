@@ -122,8 +122,9 @@ def test_signature_training_runs_on_the_gpu_like_on_the_cpu():
     the loss curve tracks the CPU run's (labels may differ on near ties of the logits), the run
     repeats bit for bit, and the encoders come back on the CPU."""
     from sparse_fx.train import TrainConfig, capture_windows, train_on_windows
+    from test_signatures import SMALL
 
-    cfg = TrainConfig(context=400, queries=24, top=8, steps=60, batch_queries=8, batch_keys=200, lr=3e-3, seed=0)
+    cfg = TrainConfig(**SMALL)
     base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (3, 400), generator=torch.Generator().manual_seed(0))
     data = capture_windows(base, ids, cfg, progress=False)
