@@ -105,3 +105,21 @@ def test_outputs_are_written(reduced):
     assert "128+32+32" in md and "| oracle | 1/4 |" in md
     for p in paths[2:]:
         assert Path(p).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("plan", ["oracle", "hash"])
+def test_one_pass_teacher_forcing_equals_the_harness(smollm2, reduced, plan):
+    """bench/agreement.py scores many tokens in one masked forward pass instead of decoding them:
+    on the harness's windows and tokens it must give the harness's agreement and CE delta."""
+    rows, _, _ = reduced
+    path = Path(__file__).resolve().parents[1] / "bench" / "agreement.py"
+    spec = importlib.util.spec_from_file_location("sparse_fx_bench_agreement", path)
+    agreement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agreement)
+    model, tok = smollm2
+    s = settings(load_harness())
+    plans = {plan: agreement.sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local)}
+    ours = agreement.evaluate(model, tok, plans, N, 4, windows=s.windows, span=s.decode_tokens, seed=s.seed)["plans"][plan]
+    theirs = rows[(plan, 4)]["teacher"]
+    assert sum(ours["per_window"]["agreement"]) / s.windows == pytest.approx(theirs["agreement"], abs=1e-9)
+    assert ours["ce_delta"]["mean"] == pytest.approx(theirs["ce_delta"], abs=2e-3)

@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Next-token agreement and cross-entropy delta vs dense over many tokens: teacher forcing in one pass.
+
+The quality harness (bench/quality.py) decodes token by token through the compiled model: the
+product's path, but about 90 s per 256 tokens of one plan at 4K on 2 CPU cores, so its model-level
+numbers rest on one window of 256 tokens, where one token is 0.4%. Teacher-forced sparse decoding
+is one forward pass in which each of the last `span` positions attends only to what the plan would
+select for it (the first `sink` and last `local` keys up to it, and the top n/s of the rest by the
+plan's score, a KV head choosing for its query heads) while earlier positions attend densely: later
+layers then read keys and values computed from sparse hidden states, as in decode. On the harness's
+window (span 256) it gives the harness's numbers (`--check-harness`); here it runs 8-16 windows of
+1024 tokens each in minutes on a CPU, seconds on a GPU.
+
+Plans: dense, oracle, hash, hash-b<bits>, plan files; `--encoders DIR` adds learned `hash` per DIR.
+Prism and static plans are not supported (their INT2 proposal layers need the runtime's caches).
+
+    python bench/agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
+Writes bench/results/agreement.json and agreement.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+
+import sparse_fx  # noqa: E402
+from sparse_fx.data import token_windows  # noqa: E402
+from sparse_fx.models import load_model  # noqa: E402
+from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp  # noqa: E402
+from sparse_fx.runtime.state import Encoders  # noqa: E402
+from sparse_fx.train import fingerprint  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+ATTENTION = "sparse_fx_teacher_mask"
+
+
+class Selector:
+    """The plan's selection for the last `span` query positions of a sequence, per layer and KV head."""
+
+    def __init__(self, plan: sparse_fx.Plan, model, budget: int):
+        if plan.method not in ("oracle", "hash"):
+            raise ValueError(f"bench/agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
+        c = model.config
+        self.plan, self.budget = plan, budget
+        self.roles = plan.layer_roles(c.num_hidden_layers)
+        self.shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        trained = SignatureEncoders.load(plan.encoders) if plan.encoders else None
+        if trained is not None:
+            trained.check(fingerprint(model))
+        self.encoders = Encoders(plan.bits, plan.seed, trained) if plan.method == "hash" else None
+
+    def scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+        """[Hkv, E, T], higher first: summed over a KV head's query heads, as the served kernels do."""
+        Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
+        if self.encoders is None:  # oracle: exact attention mass
+            logits = (q @ k.repeat_interleave(G, 0).transpose(-1, -2)) * scale
+            future = torch.arange(k.shape[1], device=k.device)[None, None] > positions[None, :, None]
+            s = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
+        else:  # signs; the dot of two sign vectors is bits - 2 * Hamming distance: the same order
+            enc = self.encoders.layer(layer, *self.shape, q.device)
+            qs = torch.sign(apply_head_mlp(q[None], *enc.query.params()))[0]
+            ks = torch.sign(apply_head_mlp(k[None], *enc.key.params()))[0].repeat_interleave(G, 0)
+            s = qs @ ks.transpose(-1, -2)
+        return s.reshape(Hkv, G, *s.shape[1:]).sum(1)
+
+    def mask(self, layer: int, q, k, positions, scale) -> torch.Tensor:
+        """[Hkv, E, T] bool: the keys each of the last E positions reads."""
+        T = k.shape[1]
+        key = torch.arange(T, device=k.device)[None, :]
+        visible = key <= positions[:, None]
+        kept = ((key < self.plan.sink) | (key > positions[:, None] - self.plan.local)) & visible
+        s = self.scores(layer, q, k, positions, scale).float()
+        s = s.masked_fill(~visible[None] | kept[None], float("-inf"))
+        chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(2, torch.topk(s, self.budget, -1).indices, True)
+        return (chosen | kept[None]) & visible[None]
+
+
+class TeacherMask:
+    """An attention function for `AttentionInterface`: dense causal SDPA for all but the last `span`
+    positions; those read only their selection. Layers the plan keeps dense read everything."""
+
+    def __init__(self, span: int):
+        self.span, self.selector = span, None
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        B, Hq, T, D = query.shape
+        G = Hq // key.shape[1]
+        E = self.span
+        scale = D**-0.5 if scaling is None else scaling
+        k, v = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+        head = F.scaled_dot_product_attention(query[:, :, : T - E], k[:, :, : T - E], v[:, :, : T - E], is_causal=True, scale=scale)
+        positions = torch.arange(T - E, T, device=query.device)
+        if self.selector.roles[module.layer_idx] == "dense":
+            allowed = (torch.arange(T, device=query.device)[None, :] <= positions[:, None])[None, None]
+        else:
+            allowed = torch.stack([self.selector.mask(module.layer_idx, query[b, :, T - E:].float(), key[b].float(), positions, scale)
+                                   for b in range(B)]).repeat_interleave(G, 1)
+        tail = F.scaled_dot_product_attention(query[:, :, T - E:], k, v, attn_mask=allowed, scale=scale)
+        return torch.cat([head, tail], 2).transpose(1, 2).contiguous(), None
+
+
+def plans_of(names: list[str], encoders: list[str]) -> dict[str, sparse_fx.Plan]:
+    plans = {name: sparse_fx.Plan.parse(name) for name in names}
+    for d in encoders:
+        plans[f"hash learned ({Path(d).name})"] = sparse_fx.Plan.parse("hash", encoders=d)
+    return plans
+
+
+def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0) -> dict:
+    """Per plan: agreement and CE delta vs dense over `windows` held-out windows' last `span` tokens."""
+    device = next(model.parameters()).device
+    teacher = TeacherMask(span)
+    AttentionInterface.register(ATTENTION, teacher)
+    ids = token_windows(tok, "heldout", n + 1, windows, seed=seed).to(device)
+    sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if p.method != "dense"}
+    rows = {name: {"agreement": [], "ce_delta": [], "seconds": 0.0} for name in sparse}
+    dense_ce = []
+    previous = model.config._attn_implementation
+    try:
+        for w in ids:
+            inputs, targets = w[None, :n], w[n - span + 1:]
+            with torch.no_grad():
+                model.config._attn_implementation = previous
+                ref = torch.log_softmax(model(inputs, use_cache=False).logits[0, n - span:].double(), -1)
+                ref_t = ref.gather(1, targets[:, None])[:, 0]
+                dense_ce.append(float(-ref_t.mean()))
+                model.config._attn_implementation = ATTENTION
+                for name, sel in sparse.items():
+                    t0 = time.perf_counter()
+                    teacher.selector = sel
+                    lp = torch.log_softmax(model(inputs, use_cache=False).logits[0, n - span:].double(), -1)
+                    r = rows[name]
+                    r["agreement"].append(float((lp.argmax(-1) == ref.argmax(-1)).double().mean()))
+                    r["ce_delta"].append(float((ref_t - lp.gather(1, targets[:, None])[:, 0]).mean()))
+                    r["seconds"] += time.perf_counter() - t0
+    finally:
+        model.config._attn_implementation = previous
+    out = {"context": n, "sparsity": sparsity, "budget": max(1, n // sparsity), "windows": windows, "span": span,
+           "dense_ce": dense_ce, "plans": {}}
+    for name, r in rows.items():
+        out["plans"][name] = {"plan": plans[name].to_dict(), **{m: summary(r[m]) for m in ("agreement", "ce_delta")},
+                              "per_window": {m: r[m] for m in ("agreement", "ce_delta")}, "seconds": r["seconds"]}
+    if "oracle" in out["plans"]:
+        oracle = out["plans"]["oracle"]["per_window"]["agreement"]
+        for row in out["plans"].values():
+            row["agreement_of_oracle"] = sum(row["per_window"]["agreement"]) / sum(oracle)
+    return out
+
+
+def summary(values: list[float]) -> dict:
+    """Mean over windows (each the same number of tokens) and its standard error."""
+    m = sum(values) / len(values)
+    se = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values)) if len(values) > 1 else float("nan")
+    return {"mean": m, "stderr": se}
+
+
+def check_harness(model, tok, plans: dict, n: int, sparsity: int) -> dict:
+    """The harness (bench/quality.py) on its window, 256 tokens, vs this pass on the same tokens."""
+    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    sys.modules["quality"] = quality  # its dataclasses look their module up
+    spec.loader.exec_module(quality)
+    s = quality.Settings(plans=["dense", *[p.name if not p.encoders else _plan_file(p) for p in plans.values()]],
+                         contexts=[n], sparsities=[sparsity], passkey_trials=0, depths=[])
+    harness = {(r["plan"], r["context"]): r["teacher"] for r in quality.run(model, tok, s)["rows"] if r["plan"] != "dense"}
+    ours = evaluate(model, tok, plans, n, sparsity, windows=1, span=s.decode_tokens, seed=s.seed)["plans"]
+    out = {}
+    for (name, plan), plan_name in zip(plans.items(), s.plans[1:]):
+        h = harness[(plan_name, n)]
+        out[name] = {"harness": {"agreement": h["agreement"], "ce_delta": h["ce_delta"]},
+                     "teacher_mask": {m: ours[name][m]["mean"] for m in ("agreement", "ce_delta")}}
+    return out
+
+
+def _plan_file(plan: sparse_fx.Plan) -> str:
+    path = Path(plan.encoders) / "plan.json"
+    plan.save(path)
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plans", default="oracle,hash,hash-b256")
+    ap.add_argument("--encoders", nargs="*", default=[], help="encoder directories: one learned `hash` row each")
+    ap.add_argument("--contexts", default="2048,4096,8192")
+    ap.add_argument("--sparsity", default="16")
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows per context")
+    ap.add_argument("--span", type=int, default=1024, help="positions scored per window (the last ones)")
+    ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    ap.add_argument("--check-harness", action="store_true", help="also run bench/quality.py on its window at the first context")
+    ap.add_argument("--out", default=str(RESULTS / "agreement.json"))
+    a = ap.parse_args()
+    device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
+    plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
+    model, tok = load_model(device=device)
+    contexts = [int(x) for x in a.contexts.split(",")]
+    report = {"command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} {os.cpu_count()} cpus",
+              "runs": []}
+    t0 = time.perf_counter()
+    for n in contexts:
+        for sp in [int(x) for x in a.sparsity.split(",")]:
+            report["runs"].append(evaluate(model, tok, plans, n, sp, a.windows, a.span))
+            print(markdown(report), flush=True)
+    if a.check_harness:
+        report["harness_check"] = {"context": contexts[0], "sparsity": int(a.sparsity.split(",")[0]),
+                                   "plans": check_harness(model, tok, plans, contexts[0], int(a.sparsity.split(",")[0]))}
+    report["seconds"] = time.perf_counter() - t0
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1).replace(str(Path.home()), "~"))
+    out.with_suffix(".md").write_text(markdown(report).replace(str(Path.home()), "~"))
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Teacher-forced agreement with dense (`{report['command']}`; {report['device']}, torch {report['torch']}, "
+             f"{report['date']}): mean over windows ± standard error; budget n/s + sink + local.", "",
+             "| context | sparsity | plan | tokens | agreement | of oracle | CE delta |", "|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        for name, r in run["plans"].items():
+            a, c = r["agreement"], r["ce_delta"]
+            lines.append(f"| {run['context']} | 1/{run['sparsity']} | {name} | {run['windows']} x {run['span']} | "
+                         f"{a['mean']:.2%} ± {a['stderr']:.2%} | {r.get('agreement_of_oracle', float('nan')):.1%} | "
+                         f"{c['mean']:+.4f} ± {c['stderr']:.4f} |")
+    if "harness_check" in report:
+        h = report["harness_check"]
+        lines += ["", f"Check against the harness's decode (bench/quality.py) on its window, 256 tokens, {h['context']} at 1/{h['sparsity']}:", "",
+                  "| plan | harness agreement | this pass | harness CE delta | this pass |", "|---|---|---|---|---|"]
+        for name, r in h["plans"].items():
+            lines.append(f"| {name} | {r['harness']['agreement']:.4%} | {r['teacher_mask']['agreement']:.4%} | "
+                         f"{r['harness']['ce_delta']:+.6f} | {r['teacher_mask']['ce_delta']:+.6f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
