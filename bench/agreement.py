@@ -8,21 +8,20 @@ is one forward pass in which each of the last `span` positions attends only to w
 select for it (the first `sink` and last `local` keys up to it, and the top n/s of the rest by the
 plan's score, a KV head choosing for its query heads) while earlier positions attend densely: later
 layers then read keys and values computed from sparse hidden states, as in decode. On the harness's
-window (span 256) it gives the harness's numbers (`--check-harness`); here it runs 8-16 windows of
-1024 tokens each in minutes on a CPU, seconds on a GPU.
+window and tokens it gives the harness's numbers (tests/test_quality.py checks it); here it runs
+8-16 windows of 1024 tokens each in minutes on a CPU, seconds on a GPU.
 
 Plans: dense, oracle, hash, hash-b<bits>, plan files; `--encoders DIR` adds learned `hash` per DIR.
 Prism and static plans are not supported (their INT2 proposal layers need the runtime's caches).
 
     python bench/agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
-Writes bench/results/agreement.json and agreement.md.
+Writes bench/results/agreement.json, agreement.md and agreement.png (--out names the .json).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -169,30 +168,6 @@ def summary(values: list[float]) -> dict:
     return {"mean": m, "stderr": se}
 
 
-def check_harness(model, tok, plans: dict, n: int, sparsity: int) -> dict:
-    """The harness (bench/quality.py) on its window, 256 tokens, vs this pass on the same tokens."""
-    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
-    quality = importlib.util.module_from_spec(spec)
-    sys.modules["quality"] = quality  # its dataclasses look their module up
-    spec.loader.exec_module(quality)
-    s = quality.Settings(plans=["dense", *[p.name if not p.encoders else _plan_file(p) for p in plans.values()]],
-                         contexts=[n], sparsities=[sparsity], passkey_trials=0, depths=[])
-    harness = {(r["plan"], r["context"]): r["teacher"] for r in quality.run(model, tok, s)["rows"] if r["plan"] != "dense"}
-    ours = evaluate(model, tok, plans, n, sparsity, windows=1, span=s.decode_tokens, seed=s.seed)["plans"]
-    out = {}
-    for (name, plan), plan_name in zip(plans.items(), s.plans[1:]):
-        h = harness[(plan_name, n)]
-        out[name] = {"harness": {"agreement": h["agreement"], "ce_delta": h["ce_delta"]},
-                     "teacher_mask": {m: ours[name][m]["mean"] for m in ("agreement", "ce_delta")}}
-    return out
-
-
-def _plan_file(plan: sparse_fx.Plan) -> str:
-    path = Path(plan.encoders) / "plan.json"
-    plan.save(path)
-    return str(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plans", default="oracle,hash,hash-b256")
@@ -202,7 +177,6 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8, help="held-out windows per context")
     ap.add_argument("--span", type=int, default=1024, help="positions scored per window (the last ones)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
-    ap.add_argument("--check-harness", action="store_true", help="also run bench/quality.py on its window at the first context")
     ap.add_argument("--out", default=str(RESULTS / "agreement.json"))
     a = ap.parse_args()
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
@@ -218,14 +192,12 @@ def main() -> None:
         for sp in [int(x) for x in a.sparsity.split(",")]:
             report["runs"].append(evaluate(model, tok, plans, n, sp, a.windows, a.span))
             print(markdown(report), flush=True)
-    if a.check_harness:
-        report["harness_check"] = {"context": contexts[0], "sparsity": int(a.sparsity.split(",")[0]),
-                                   "plans": check_harness(model, tok, plans, contexts[0], int(a.sparsity.split(",")[0]))}
     report["seconds"] = time.perf_counter() - t0
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1).replace(str(Path.home()), "~"))
     out.with_suffix(".md").write_text(markdown(report).replace(str(Path.home()), "~"))
+    plot(report, out.with_suffix(".png"))
     print(markdown(report))
 
 
@@ -239,14 +211,31 @@ def markdown(report: dict) -> str:
             lines.append(f"| {run['context']} | 1/{run['sparsity']} | {name} | {run['windows']} x {run['span']} | "
                          f"{a['mean']:.2%} ± {a['stderr']:.2%} | {r.get('agreement_of_oracle', float('nan')):.1%} | "
                          f"{c['mean']:+.4f} ± {c['stderr']:.4f} |")
-    if "harness_check" in report:
-        h = report["harness_check"]
-        lines += ["", f"Check against the harness's decode (bench/quality.py) on its window, 256 tokens, {h['context']} at 1/{h['sparsity']}:", "",
-                  "| plan | harness agreement | this pass | harness CE delta | this pass |", "|---|---|---|---|---|"]
-        for name, r in h["plans"].items():
-            lines.append(f"| {name} | {r['harness']['agreement']:.4%} | {r['teacher_mask']['agreement']:.4%} | "
-                         f"{r['harness']['ce_delta']:+.6f} | {r['teacher_mask']['ce_delta']:+.6f} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Agreement with dense vs context, one panel per sparsity, error bars of one standard error."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparsities = sorted({r["sparsity"] for r in report["runs"]})
+    fig, axes = plt.subplots(1, len(sparsities), figsize=(5.5 * len(sparsities), 4.2), squeeze=False)
+    for ax, sp in zip(axes[0], sparsities):
+        runs = [r for r in report["runs"] if r["sparsity"] == sp]
+        for name in runs[0]["plans"]:
+            rows = [(r["context"], r["plans"][name]["agreement"]) for r in runs if name in r["plans"]]
+            ax.errorbar([n for n, _ in rows], [100 * a["mean"] for _, a in rows], yerr=[100 * a["stderr"] for _, a in rows],
+                        marker="o", capsize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"sparsity 1/{sp}, budget n/{sp} + sink + local")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("next-token agreement with dense (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
