@@ -35,6 +35,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
 import sparse_fx  # noqa: E402
@@ -120,7 +121,7 @@ def plans_of(names: list[str], encoders: list[str]) -> dict[str, sparse_fx.Plan]
     return plans
 
 
-def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0) -> dict:
+def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0, progress: bool = False) -> dict:
     """Per plan: agreement and CE delta vs dense over `windows` held-out windows' last `span` tokens."""
     device = next(model.parameters()).device
     teacher = TeacherMask(span)
@@ -131,7 +132,7 @@ def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span:
     dense_ce = []
     previous = model.config._attn_implementation
     try:
-        for w in ids:
+        for w in tqdm(ids, desc=f"context {n}, 1/{sparsity}", disable=not progress):
             inputs, targets = w[None, :n], w[n - span + 1:]
             with torch.no_grad():
                 model.config._attn_implementation = previous
@@ -181,8 +182,10 @@ def main() -> None:
     a = ap.parse_args()
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
-    model, tok = load_model(device=device)
     contexts = [int(x) for x in a.contexts.split(",")]
+    if not 0 < a.span < min(contexts) or a.windows < 1:
+        ap.error(f"--span must lie in 1..{min(contexts) - 1} (below the shortest context) and --windows be >= 1")
+    model, tok = load_model(device=device)
     report = {"command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} {os.cpu_count()} cpus",
@@ -190,7 +193,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for n in contexts:
         for sp in [int(x) for x in a.sparsity.split(",")]:
-            report["runs"].append(evaluate(model, tok, plans, n, sp, a.windows, a.span))
+            report["runs"].append(evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True))
             print(markdown(report), flush=True)
     report["seconds"] = time.perf_counter() - t0
     out = Path(a.out)
