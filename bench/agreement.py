@@ -43,7 +43,7 @@ from sparse_fx.data import token_windows  # noqa: E402
 from sparse_fx.models import load_model  # noqa: E402
 from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp  # noqa: E402
 from sparse_fx.runtime.state import Encoders  # noqa: E402
-from sparse_fx.train import fingerprint  # noqa: E402
+from sparse_fx.train import fingerprint, oracle_scores  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ATTENTION = "sparse_fx_teacher_mask"
@@ -66,16 +66,15 @@ class Selector:
 
     def scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
         """[Hkv, E, T], higher first: summed over a KV head's query heads, as the served kernels do."""
+        if self.encoders is None:
+            return oracle_scores(layer, q, k, positions, scale)
+        # Signs: the dot of two sign vectors is bits - 2 * Hamming distance, the served score's order
+        # (lowering.reference.hamming_scores scores one query at a time; this takes all E at once).
         Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
-        if self.encoders is None:  # oracle: exact attention mass
-            logits = (q @ k.repeat_interleave(G, 0).transpose(-1, -2)) * scale
-            future = torch.arange(k.shape[1], device=k.device)[None, None] > positions[None, :, None]
-            s = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
-        else:  # signs; the dot of two sign vectors is bits - 2 * Hamming distance: the same order
-            enc = self.encoders.layer(layer, *self.shape, q.device)
-            qs = torch.sign(apply_head_mlp(q[None], *enc.query.params()))[0]
-            ks = torch.sign(apply_head_mlp(k[None], *enc.key.params()))[0].repeat_interleave(G, 0)
-            s = qs @ ks.transpose(-1, -2)
+        enc = self.encoders.layer(layer, *self.shape, q.device)
+        qs = torch.sign(apply_head_mlp(q[None], *enc.query.params()))[0]
+        ks = torch.sign(apply_head_mlp(k[None], *enc.key.params()))[0].repeat_interleave(G, 0)
+        s = qs @ ks.transpose(-1, -2)
         return s.reshape(Hkv, G, *s.shape[1:]).sum(1)
 
     def mask(self, layer: int, q, k, positions, scale) -> torch.Tensor:

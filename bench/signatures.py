@@ -38,7 +38,7 @@ from sparse_fx.data import token_windows  # noqa: E402
 from sparse_fx.lowering.reference import hamming_scores, pack_signs  # noqa: E402
 from sparse_fx.models import cache_root, load_model  # noqa: E402
 from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp, lsh_layer  # noqa: E402
-from sparse_fx.train import TrainConfig, capture_windows, fingerprint, selection_recall, train_on_windows  # noqa: E402
+from sparse_fx.train import TrainConfig, capture_windows, fingerprint, oracle_scores, selection_recall, train_on_windows  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -56,15 +56,6 @@ def hamming_fn(layers):
         return torch.stack(out, 1).float()
 
     return score
-
-
-def oracle_fn(layer, q, k, positions):
-    """Exact attention mass summed over a KV head's query heads (the oracle plan's score)."""
-    G = q.shape[0] // k.shape[0]
-    logits = (q @ k.repeat_interleave(G, 0).transpose(-1, -2)) / q.shape[-1] ** 0.5
-    logits = logits.masked_fill(torch.arange(k.shape[1])[None, None] > positions[None, :, None], float("-inf"))
-    p = torch.softmax(logits, -1)
-    return p.reshape(k.shape[0], G, *p.shape[1:]).sum(1)
 
 
 def main() -> None:
@@ -130,7 +121,7 @@ def main() -> None:
     for n in contexts:
         held = capture_windows(model, token_windows(tok, "heldout", n, a.heldout_windows, seed=1),
                                TrainConfig(**{**enc.metadata["train_config"], "context": n, "queries": 64}))
-        scores = {"oracle": (oracle_fn, False), "learned-32": (hamming_fn(enc.layers), False),
+        scores = {"oracle": (oracle_scores, False), "learned-32": (hamming_fn(enc.layers), False),
                   "learned-32 per-query-head keys": (hamming_fn(per_query_layers), True)}
         for m, layers_m in at_length.items():
             scores[f"learned-32 trained at {m}"] = (hamming_fn(layers_m), False)

@@ -274,6 +274,18 @@ def _token_windows(texts, tokenizer, config: TrainConfig, windows: int) -> tuple
     return ids, {"source": f"{len(texts)} texts given by the caller", "windows": n, "tokens": config.context}
 
 
+def oracle_scores(layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The oracle plan's score for many queries at once, as a `selection_recall` score_fn: exact
+    attention mass, softmax per query head over the keys up to each query, summed over a KV head's
+    query heads. q [Hq,S,D], k [Hkv,T,D], positions [S] -> [Hkv,S,T]."""
+    G = q.shape[0] // k.shape[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = (q @ k.repeat_interleave(G, 0).transpose(-1, -2)) * scale
+    future = torch.arange(k.shape[1], device=k.device)[None, None] > positions[None, :, None]
+    p = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
+    return p.reshape(k.shape[0], G, *p.shape[1:]).sum(1)
+
+
 def selection_recall(
     data: list[Window], score_fn, fractions=(1 / 16, 1 / 32), k: int = 32, per_query_head: bool = False,
     fixed: tuple[int, int] = (0, 0),

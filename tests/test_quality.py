@@ -24,9 +24,9 @@ AGREEMENT_FLOOR = {"oracle": 0.90, "hash": 0.75, "prism-g4": 0.85, "static-g4": 
 RECALL_FLOOR = {"oracle": 0.95, "hash": 0.65, "prism-g4": 0.90, "static-g4": 0.70}
 
 
-def load_harness():
-    path = Path(__file__).resolve().parents[1] / "bench" / "quality.py"
-    spec = importlib.util.spec_from_file_location("sparse_fx_bench_quality", path)
+def load_bench(name: str):
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"sparse_fx_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
     spec.loader.exec_module(module)
@@ -35,7 +35,7 @@ def load_harness():
 
 @pytest.fixture(scope="module")
 def harness():
-    return load_harness()
+    return load_bench("quality")
 
 
 def settings(q, **overrides):
@@ -108,16 +108,13 @@ def test_outputs_are_written(reduced):
 
 
 @pytest.mark.parametrize("plan", ["oracle", "hash"])
-def test_one_pass_teacher_forcing_equals_the_harness(smollm2, reduced, plan):
+def test_one_pass_teacher_forcing_equals_the_harness(smollm2, harness, reduced, plan):
     """bench/agreement.py scores many tokens in one masked forward pass instead of decoding them:
     on the harness's windows and tokens it must give the harness's agreement and CE delta."""
     rows, _, _ = reduced
-    path = Path(__file__).resolve().parents[1] / "bench" / "agreement.py"
-    spec = importlib.util.spec_from_file_location("sparse_fx_bench_agreement", path)
-    agreement = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(agreement)
+    agreement = load_bench("agreement")
     model, tok = smollm2
-    s = settings(load_harness())
+    s = settings(harness)
     plans = {plan: agreement.sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local)}
     ours = agreement.evaluate(model, tok, plans, N, 4, windows=s.windows, span=s.decode_tokens, seed=s.seed)["plans"][plan]
     theirs = rows[(plan, 4)]["teacher"]
