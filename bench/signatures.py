@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Learned HashAttention signatures vs LSH on SmolLM2-135M-Instruct (offline, CPU).
+"""Learned HashAttention signatures vs LSH on SmolLM2-135M-Instruct (offline; CPU, or a GPU with --device).
 
 1. Train 32-bit encoders with the defaults of `sparse_fx.train_signatures` on the training split
-   (timed), and, on the same captured data, the per-query-head key variant (key_sharing="query");
-   then encoders trained the same way at each --also-train-at length (same number of tokens).
+   (timed), then variants on the same tokens: the paper's recipe (per-query-head labels and loss,
+   no sink/local exclusion), per-query-head keys, and the defaults at each --also-train-at length
+   (fewer, longer windows). Saved beside --encoders as <dir>-paper-recipe and <dir>-trained-at-<n>,
+   for bench/agreement.py.
 2. Selection recall@32 on held-out windows at each context and sparsity: the top n/s keys by
    Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
    learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle; then again with the
@@ -11,7 +13,7 @@
 3. Model level, through the quality harness (bench/quality.py): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
-    python bench/signatures.py --harness-contexts 2048,4096 --harness-sparsity 16   # ~1 h on 2 cores
+    python bench/signatures.py --device cuda --skip-harness   # minutes on a GPU; over an hour on 2 CPU cores
 Writes bench/results/signatures.json, signatures.md and signatures-recall.png; the encoders go to
 --encoders (default ~/.cache/sparse_fx/encoders/smollm2-b32, not committed: weights).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -48,6 +51,7 @@ def hamming_fn(layers):
 
     def score(layer, q, k, positions):
         enc = layers[layer]
+        enc = type(enc)(query=enc.query.to(q.device), key=enc.key.to(q.device))
         q_sig = pack_signs(apply_head_mlp(q[None], *enc.query.params()))[0]  # [Hq,S,W]
         if enc.key.heads != k.shape[0]:  # per-query-head key encoders: each query head signs the keys itself
             k = k.repeat_interleave(enc.key.heads // k.shape[0], 0)
@@ -63,15 +67,17 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--sparsity", default="16,32")
     ap.add_argument("--heldout-windows", type=int, default=2, help="held-out windows per context for recall")
-    ap.add_argument("--train-windows", type=int, default=8, help="default: train_signatures'")
+    ap.add_argument("--train-windows", type=int, default=inspect.signature(sparse_fx.train_signatures).parameters["windows"].default,
+                    help="default: train_signatures'")
     ap.add_argument("--steps", type=int, default=None, help="default: TrainConfig's")
     ap.add_argument("--train-context", type=int, default=None, help="default: TrainConfig's (train at the deployed length)")
-    ap.add_argument("--also-train-at", default="8192",
+    ap.add_argument("--also-train-at", default="2048,4096",
                     help="contexts to train more encoders at (same tokens: fewer, longer windows), recall only; '' for none")
     ap.add_argument("--harness-sparsity", default=None, help="sparsities of the model-level part (default: --sparsity)")
     ap.add_argument("--encoders", default=str(cache_root() / "encoders" / "smollm2-b32"))
     ap.add_argument("--harness-contexts", default=None, help="contexts of the model-level part (default: --contexts)")
     ap.add_argument("--skip-harness", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the harness part runs on the CPU only)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json")
     a = ap.parse_args()
@@ -80,38 +86,43 @@ def main() -> None:
         save(report, report["selection_recall_at_32"], Path(a.out))
         return
     torch.manual_seed(0)
-    model, tok = load_model()
+    if a.device != "cpu" and not a.skip_harness:
+        ap.error("--device other than cpu needs --skip-harness (bench/agreement.py measures the model level on a GPU)")
+    model, tok = load_model(device=a.device)
     contexts = [int(x) for x in a.contexts.split(",")]
     fractions = [1 / int(x) for x in a.sparsity.split(",")]
     overrides = {k: v for k, v in (("steps", a.steps), ("context", a.train_context)) if v}
     cfg = TrainConfig(**overrides)
     report = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus", "train_config": dataclasses.asdict(cfg)}
+              "machine": torch.cuda.get_device_name(a.device) if a.device != "cpu" else f"{platform.machine()} {os.cpu_count()} cpus", "train_config": dataclasses.asdict(cfg)}
 
-    t0 = time.perf_counter()
-    train_ids = token_windows(tok, "train", cfg.context, a.train_windows, seed=cfg.seed)
-    data = capture_windows(model, train_ids, cfg)
-    t_capture = time.perf_counter() - t0
-    layers, history = train_on_windows(data, cfg)
-    t_train = time.perf_counter() - t0
-    enc = SignatureEncoders(layers, cfg.bits, fingerprint(model), {
-        "train_config": dataclasses.asdict(cfg), "loss_history": history,
-        "train_seconds": t_train, "data": {"source": "sparse_fx.data split 'train'", "windows": a.train_windows,
-                                           "tokens": cfg.context}})
-    enc.save(a.encoders)
-    t1 = time.perf_counter()
-    per_query_layers, pq_history = train_on_windows(data, TrainConfig(**{**enc.metadata["train_config"], "key_sharing": "query"}))
-    del data
-    report["train"] = {"capture_s": t_capture, "total_s": t_train, "loss_history": history,
-                       "per_query_head_s": time.perf_counter() - t1, "per_query_head_loss_history": pq_history}
-    print(f"trained in {t_train:.0f} s (capture {t_capture:.0f} s); loss {history[0]:.4f} -> {history[-1]:.4f}", flush=True)
-    at_length = {}
-    for n in [int(x) for x in a.also_train_at.split(",") if x]:
-        t1 = time.perf_counter()
-        cfg_n = TrainConfig(**{**dataclasses.asdict(cfg), "context": n})
-        windows = max(1, a.train_windows * cfg.context // n)
-        at_length[n], hist_n = train_on_windows(capture_windows(model, token_windows(tok, "train", n, windows, seed=cfg.seed), cfg_n), cfg_n)
-        report["train"][f"trained_at_{n}"] = {"windows": windows, "total_s": time.perf_counter() - t1, "loss_history": hist_n}
+    def train(name: str, cfg: TrainConfig, windows: int, out: str | None) -> list:
+        """Capture and train one variant on the train split (same tokens for every variant); save it to `out`."""
+        t0 = time.perf_counter()
+        data = capture_windows(model, token_windows(tok, "train", cfg.context, windows, seed=cfg.seed), cfg)
+        t_capture = time.perf_counter() - t0
+        layers, history = train_on_windows(data, cfg)
+        total = time.perf_counter() - t0
+        report["train"][name] = {"config": dataclasses.asdict(cfg), "windows": windows, "capture_s": t_capture,
+                                 "total_s": total, "loss_history": history, "saved_to": out}
+        if out:
+            SignatureEncoders(layers, cfg.bits, fingerprint(model), {
+                "train_config": dataclasses.asdict(cfg), "loss_history": history, "train_seconds": total,
+                "data": {"source": "sparse_fx.data split 'train'", "windows": windows, "tokens": cfg.context}}).save(out)
+        print(f"{name}: {total:.0f} s (capture {t_capture:.0f} s); loss {history[0]:.4f} -> {history[-1]:.4f}", flush=True)
+        return layers
+
+    report["train"] = {}
+    learned = {"learned-32": train("learned-32", cfg, a.train_windows, a.encoders)}
+    variants = {  # name -> (config changes, windows, saved beside --encoders as)
+        "learned-32 paper recipe": ({"labels": "query", "sink": 0, "local": 0}, a.train_windows, "paper-recipe"),
+        "learned-32 per-query-head keys": ({"labels": "query", "key_sharing": "query"}, a.train_windows, None),
+        **{f"learned-32 trained at {n}": ({"context": n}, max(1, a.train_windows * cfg.context // n), f"trained-at-{n}")
+           for n in [int(x) for x in a.also_train_at.split(",") if x]},
+    }
+    for name, (changes, windows, suffix) in variants.items():
+        learned[name] = train(name, TrainConfig(**{**dataclasses.asdict(cfg), **changes}), windows,
+                              f"{a.encoders}-{suffix}" if suffix else None)
 
     q_heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
     lsh = {b: [lsh_layer(q_heads, kv_heads, d, b, seed=l) for l in range(model.config.num_hidden_layers)] for b in (32, 128, 256)}
@@ -120,11 +131,10 @@ def main() -> None:
     recall, recall_fixed = {}, {}
     for n in contexts:
         held = capture_windows(model, token_windows(tok, "heldout", n, a.heldout_windows, seed=1),
-                               TrainConfig(**{**enc.metadata["train_config"], "context": n, "queries": 64}))
-        scores = {"oracle": (oracle_scores, False), "learned-32": (hamming_fn(enc.layers), False),
-                  "learned-32 per-query-head keys": (hamming_fn(per_query_layers), True)}
-        for m, layers_m in at_length.items():
-            scores[f"learned-32 trained at {m}"] = (hamming_fn(layers_m), False)
+                               TrainConfig(**{**dataclasses.asdict(cfg), "context": n, "queries": 64}))
+        scores = {"oracle": (oracle_scores, False)}
+        for name, layers in learned.items():
+            scores[name] = (hamming_fn(layers), name.endswith("per-query-head keys"))
         for b, layers_b in lsh.items():
             scores[f"lsh-{b}"] = (hamming_fn(layers_b), False)
         for table, kept in ((recall, (0, 0)), (recall_fixed, fixed)):
@@ -179,12 +189,13 @@ def markdown(report: dict) -> str:
         lines += ["", f"The same with the plan's first {w['sink']} and last {w['local']} keys kept on top of the budget "
                   "(what the `hash` plan serves; the score decides only among the keys between them):", "",
                   *recall_table(w["recall"])]
-    t = report["train"]
     c = report["train_config"]
-    lines += ["", f"Training (`{report['command']}`: {c['steps']} Adam steps of {c['batch_queries']} queries x "
-              f"{c['batch_keys']} keys, windows of {c['context']} tokens; {report['machine']}): "
-              f"{t['total_s']:.0f} s including {t['capture_s']:.0f} s of capture; "
-              f"loss (first step, then each tenth) {', '.join(f'{x:.4f}' for x in t['loss_history'])}."]
+    lines += ["", f"Training (`{report['command']}`; {report['machine']}; {c['steps']} Adam steps of "
+              f"{c['batch_queries']} queries x {c['batch_keys']} keys), each variant on the same tokens:", "",
+              "| encoders | windows x tokens | capture | total | loss (first step -> last tenth) |", "|---|---|---|---|---|"]
+    for name, t in report["train"].items():
+        lines.append(f"| {name} | {t['windows']} x {t['config']['context']} | {t['capture_s']:.0f} s | {t['total_s']:.0f} s | "
+                     f"{t['loss_history'][0]:.4f} -> {t['loss_history'][-1]:.4f} |")
     if "harness" in report:
         lines += ["", "Model level (bench/quality.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
                   "| plan | context | sparsity | agreement | CE delta | recall@32 |", "|---|---|---|---|---|---|"]

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Seconds per step of `train_signatures` at SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads,
-head dim 64, windows of 4096 tokens), on the CPU and on CUDA when present, for several splits of a
+head dim 64, windows of 8192 tokens), on the CPU and on CUDA when present, for several splits of a
 step's query-key pairs. The step's cost does not depend on the values, so the windows are random.
 
     python bench/train_step.py                   # CPU and, if present, CUDA
     bash bench/gpu.sh python3 bench/train_step.py --devices cuda --end-to-end config.json --out-json $OUT/t.json
---end-to-end also times `train_signatures` with its defaults (8 windows of 4096 random tokens) on a
+--end-to-end also times `train_signatures` with its defaults (its windows and context, random tokens) on a
 randomly initialised model built from a Hugging Face config.json (SmolLM2-135M's: the time does not
 depend on the weights), where the first device is. Writes bench/results/train-step-<devices>.json.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -30,14 +31,17 @@ import torch  # noqa: E402
 from sparse_fx.train import TrainConfig, Window, train_on_windows  # noqa: E402
 
 
-def windows(device: str, n: int = 2, layers: int = 30, hq: int = 9, hkv: int = 3, T: int = 4096, S: int = 1024, D: int = 64):
+def windows(device: str, n: int = 2, layers: int = 30, hq: int = 9, hkv: int = 3, T: int = 8192, S: int = 1024, D: int = 64):
     g = torch.Generator().manual_seed(0)
+    c = TrainConfig()
     out = []
     for _ in range(n):
         pos = torch.sort(torch.randint(T // 8, T, (S,), generator=g)).values
-        ranked = torch.randint(0, T // 8, (layers, hq, S, 64), generator=g).int()  # labels: visible keys
+        ranked = torch.randint(0, T // 8, (layers, hq, S, 64), generator=g).int()  # recall's truth: unused here
+        labels = torch.randint(c.sink, T // 8 - c.local, (layers, hkv, S, c.top), generator=g).int()  # candidates of every query
         out.append(Window(torch.randn(layers, hkv, T, D, generator=g).half().to(device),
-                          torch.randn(layers, hq, S, D, generator=g).to(device), ranked.to(device), pos.to(device)))
+                          torch.randn(layers, hq, S, D, generator=g).to(device), ranked.to(device), labels.to(device),
+                          pos.to(device)))
     return out
 
 
@@ -67,7 +71,8 @@ def train_signatures_seconds(config_json: str, device: str) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device, dtype).eval()
-    ids = torch.randint(0, config.vocab_size, (8, 4096), generator=torch.Generator().manual_seed(0))
+    n = inspect.signature(sparse_fx.train_signatures).parameters["windows"].default
+    ids = torch.randint(0, config.vocab_size, (n, TrainConfig().context), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     enc = sparse_fx.train_signatures(model, ids, progress=False)
     if device == "cuda":

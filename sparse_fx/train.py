@@ -1,16 +1,23 @@
 """`train_signatures`: learn HashAttention's key and query encoders on a frozen model.
 
 Per layer, an MLP per query head and one per KV head (d -> 128 -> 128 -> bits, SiLU) map post-RoPE
-queries and keys to bit signatures. Training follows the paper: labels are each query's true
-top-64 keys, the loss is binary cross-entropy with positive weight alpha + beta * n (n = keys the
-query sees), and tanh stands in for sign. A KV head's selection sums the Hamming similarities of
-its query heads, so the key encoders are shared by the group ("kv" sharing, what the runtime
-serves); `key_sharing="query"` trains one key encoder per query head instead, for comparison.
+queries and keys to bit signatures. Training follows the paper: labels are true top-64 keys, the
+loss is binary cross-entropy with positive weight alpha + beta * n (n = keys the query sees), and
+tanh stands in for sign.
+
+By default it trains the decision the plan serves. A KV head selects for its query heads by the
+sum of their Hamming similarities (one key encoder per KV head, what the runtime serves), so with
+`labels="kv"` the logit is that sum (of tanh codes) and the labels are the KV head's top keys by
+attention mass summed over its query heads (the oracle plan's score); and the first `sink` and
+last `local` keys, which the plan keeps whatever they score, are neither labels nor negatives.
+`labels="query"` with sink = local = 0 is the paper's recipe (each query head's own top keys and
+logit); it leaves model-level agreement 0.5-1.7 points lower at 2K-8K (bench/NOTES.md, session 8).
+`key_sharing="query"` trains one key encoder per query head, each query head selecting for itself.
 
 All layers train at once: (layer, head) pairs are one batch dimension of the per-head MLPs. A step
 takes a few queries of one captured window and a uniform sample of its keys (the BCE over every
 visible key of every query is what made whole-window steps slow on a CPU); the positives that
-fall in the sample keep their weight, so the objective is the paper's, estimated on a subsample.
+fall in the sample keep their weight, so the objective is the whole-window one, estimated on a subsample.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .plan import Plan
 from .runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders, apply_head_mlp
 
 CAPTURE = "sparse_fx_capture"
@@ -30,9 +38,9 @@ CAPTURE = "sparse_fx_capture"
 class TrainConfig:
     bits: int = 32
     hidden: int = 128
-    context: int = 4096  # train at the context length you deploy at
+    context: int = 8192  # train at the context length you deploy at (it serves shorter ones too)
     queries: int = 1024  # query positions sampled per window (labels are computed at capture)
-    top: int = 64  # labels: each query's true top-64 keys
+    top: int = 64  # labels: each selection unit's top-64 keys
     alpha: float = 1.0  # positive weight alpha + beta * n
     beta: float = 1.0 / 64
     steps: int = 1000  # Adam steps (linear warm-up, cosine decay)
@@ -44,16 +52,26 @@ class TrainConfig:
     lr: float = 2e-3
     seed: int = 0
     key_sharing: str = "kv"  # "kv": one key encoder per KV head (served); "query": one per query head
+    labels: str = "kv"  # "kv": per KV head, by summed attention mass (served); "query": per query head
+    sink: int = Plan.sink  # keys the plan keeps anyway (its defaults): not labels, not negatives
+    local: int = Plan.local
 
     def __post_init__(self) -> None:
         if self.bits < 32 or self.bits % 32:
             raise ValueError(f"sparse_fx: bits must be a positive multiple of 32, got {self.bits}")
         if self.key_sharing not in ("kv", "query"):
             raise ValueError(f"sparse_fx: key_sharing must be 'kv' or 'query', got {self.key_sharing!r}")
+        if self.labels not in ("kv", "query"):
+            raise ValueError(f"sparse_fx: labels must be 'kv' or 'query', got {self.labels!r}")
+        if self.labels == "kv" and self.key_sharing == "query":
+            raise ValueError("sparse_fx: labels='kv' needs key_sharing='kv' (per-query-head keys select per query head)")
         if min(self.steps, self.batch_queries, self.batch_keys) < 1:
             raise ValueError("sparse_fx: steps, batch_queries and batch_keys must be positive")
-        if self.context <= 2 * self.top:
-            raise ValueError(f"sparse_fx: context {self.context} is too short for labels of the top {self.top} keys")
+        if min(self.sink, self.local) < 0:
+            raise ValueError("sparse_fx: sink and local must be >= 0")
+        if self.context <= self.sink + self.local + 2 * self.top:
+            raise ValueError(f"sparse_fx: context {self.context} is too short for labels of the top {self.top} keys "
+                             f"beside sink {self.sink} and local {self.local}")
 
 
 @dataclass
@@ -62,7 +80,8 @@ class Window:
 
     keys: torch.Tensor  # [layers, Hkv, T, D] float16
     queries: torch.Tensor  # [layers, Hq, S, D] float32
-    ranked: torch.Tensor  # [layers, Hq, S, max(top, 32)] int32: keys by true attention, best first
+    ranked: torch.Tensor  # [layers, Hq, S, max(top, 32)] int32: keys by true attention, best first (recall)
+    labels: torch.Tensor  # [layers, units, S, top] int32: each selection unit's positives (training)
     positions: torch.Tensor  # [S] int64: the sampled queries' positions
 
 
@@ -84,10 +103,10 @@ def capture_windows(model, windows: torch.Tensor, config: TrainConfig, progress:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
-        captured[module.layer_idx] = (query.detach(), key.detach())
+        captured[module.layer_idx] = (query.detach(), key.detach(), kwargs.get("scaling"))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(CAPTURE, capture)
@@ -108,21 +127,24 @@ def capture_windows(model, windows: torch.Tensor, config: TrainConfig, progress:
 
 
 def _window(captured, T: int, config: TrainConfig, gen: torch.Generator, device) -> Window:
-    low = max(T // 8, 2 * config.top)
+    low = max(T // 8, config.sink + config.local + 2 * config.top)
     positions = torch.sort(torch.randint(low, T, (config.queries,), generator=gen)).values.to(device)
-    keys, queries, ranked = [], [], []
+    key = torch.arange(T, device=device)[None, :]
+    kept = (key < config.sink) | (key > positions[:, None] - config.local)  # [S,T]: the plan keeps these
+    keys, queries, ranked, labels = [], [], [], []
     for layer in sorted(captured):
-        q, k = captured[layer]  # [1,Hq,T,D], [1,Hkv,T,D]
+        q, k, scale = captured[layer]  # [1,Hq,T,D], [1,Hkv,T,D]
         q, k = q[0].float(), k[0].float()
         G = q.shape[0] // k.shape[0]
         qs = q[:, positions]  # [Hq,S,D]
         logits = qs @ k.repeat_interleave(G, 0).transpose(-1, -2)  # [Hq,S,T]; softmax order = logit order
-        future = torch.arange(T, device=device)[None, None, :] > positions[None, :, None]
-        logits = logits.masked_fill(future, float("-inf"))
+        logits = logits.masked_fill(key[None] > positions[None, :, None], float("-inf"))
         ranked.append(torch.topk(logits, max(config.top, 32), dim=-1).indices.int())
+        score = oracle_scores(layer, qs, k, positions, scale) if config.labels == "kv" else logits
+        labels.append(torch.topk(score.masked_fill(kept[None], float("-inf")), config.top, dim=-1).indices.int())
         keys.append(k.half())
         queries.append(qs)
-    return Window(torch.stack(keys), torch.stack(queries), torch.stack(ranked), positions)
+    return Window(torch.stack(keys), torch.stack(queries), torch.stack(ranked), torch.stack(labels), positions)
 
 
 def _mlp(heads: int, d_in: int, hidden: int, bits: int, gen: torch.Generator) -> HeadMLP:
@@ -146,8 +168,9 @@ def train_on_windows(data: list[Window], config: TrainConfig, progress: bool = T
     q_enc = _mlp(layers * Hq, D, config.hidden, config.bits, gen)
     k_enc = _mlp(layers * k_heads, D, config.hidden, config.bits, gen)
     q_enc, k_enc = q_enc.to(device), k_enc.to(device)
-    temp = torch.full((layers * Hq, 1, 1), 4.0 / math.sqrt(config.bits), device=device)
-    bias = torch.zeros(layers * Hq, 1, 1, device=device)
+    units = layers * (Hkv if config.labels == "kv" else Hq)  # a KV head (its query heads' summed logits) or a query head
+    temp = torch.full((units, 1, 1), 4.0 / math.sqrt(config.bits) * units / (layers * Hq), device=device)
+    bias = torch.zeros(units, 1, 1, device=device)
     params = [t.requires_grad_() for t in q_enc.weights + q_enc.biases + k_enc.weights + k_enc.biases + [temp, bias]]
     opt = torch.optim.Adam(params, lr=config.lr)
     warm = max(1, config.steps // 30)
@@ -187,32 +210,35 @@ def _slice(mlp: HeadMLP, a: int, b: int) -> HeadMLP:
 
 
 def _loss(w: Window, qi, kj, q_enc: HeadMLP, k_enc: HeadMLP, temp, bias, config: TrainConfig, G: int) -> torch.Tensor:
-    """Weighted BCE of queries `qi` against keys `kj` of window `w`: a key is positive iff it is in
-    the query's true top `config.top`; positives weigh alpha + beta * n (n = keys the query sees),
-    negatives 1, keys after the query 0. Written as softplus(x) - y*x, so the dense part is one
-    softplus over visible pairs and the positive correction touches only the positives."""
+    """Weighted BCE of queries `qi` against keys `kj` of window `w`, per selection unit: the logit
+    is temp * (query codes summed over the unit's query heads) . key code + bias, in the served
+    score's order; a key is positive iff it is one of the unit's labels; positives weigh
+    alpha + beta * n (n = keys the query sees), other candidates 1, keys the plan keeps anyway or
+    after the query 0. Written as softplus(x) - y*x, so the dense part is one softplus over
+    candidate pairs and the positive correction touches only the positives."""
     layers, Hq, _, D = w.queries.shape
     T, bits = w.keys.shape[2], config.bits
     keys = w.keys[:, :, kj].float()
     if config.key_sharing == "query":
         keys = keys.repeat_interleave(G, 1)
-    kb = torch.tanh(apply_head_mlp(keys.reshape(1, -1, len(kj), D), *k_enc.params()))[0].reshape(layers, -1, len(kj), bits)
-    if config.key_sharing == "kv":
-        kb = kb.repeat_interleave(G, 1)
-    kb = kb.reshape(layers * Hq, len(kj), bits)
+    kb = torch.tanh(apply_head_mlp(keys.reshape(1, -1, len(kj), D), *k_enc.params()))[0]  # [layers*key heads, keys, bits]
+    units = layers * w.labels.shape[1]
+    if units > kb.shape[0]:  # labels per query head, keys per KV head
+        kb = kb.reshape(layers, -1, len(kj), bits).repeat_interleave(G, 1).reshape(units, len(kj), bits)
     qb = torch.tanh(apply_head_mlp(w.queries[:, :, qi].reshape(1, layers * Hq, len(qi), D), *q_enc.params()))[0]
-    logits = torch.baddbmm(bias, qb * temp, kb.transpose(-1, -2))  # [layers*Hq, queries, keys]
+    qb = qb.reshape(units, -1, len(qi), bits).sum(1)  # a KV head's score sums its query heads' similarities
+    logits = torch.baddbmm(bias, qb * temp, kb.transpose(-1, -2))  # [units, queries, keys]
     pos = w.positions[qi]
-    visible = kj[None, :] <= pos[:, None]
-    dense = torch.nn.functional.softplus(logits.masked_fill(~visible[None], float("-inf"))).sum()
+    candidate = (kj[None, :] >= config.sink) & (kj[None, :] <= pos[:, None] - config.local)
+    dense = torch.nn.functional.softplus(logits.masked_fill(~candidate[None], float("-inf"))).sum()
     column = torch.full((T,), -1, dtype=torch.long, device=kj.device)
     column[kj] = torch.arange(len(kj), device=kj.device)
-    col = column[w.ranked[:, :, qi, : config.top].long()].reshape(layers * Hq, len(qi), config.top)
-    present = col >= 0  # labels are visible keys, so a sampled positive is always visible
+    col = column[w.labels[:, :, qi].long()].reshape(units, len(qi), config.top)
+    present = col >= 0  # labels are candidates, so a sampled positive is always a candidate
     x = logits.gather(2, col.clamp(min=0))
     w_pos = (config.alpha + config.beta * (pos + 1).float())[None, :, None]
     positive = torch.where(present, (w_pos - 1) * torch.nn.functional.softplus(x) - w_pos * x, 0.0).sum()
-    weight = visible.sum() * layers * Hq + torch.where(present, w_pos - 1, 0.0).sum()
+    weight = candidate.sum() * units + torch.where(present, w_pos - 1, 0.0).sum()
     return (dense + positive) / weight
 
 
@@ -222,8 +248,8 @@ def train_signatures(
     *,
     tokenizer=None,
     bits: int = 32,
-    context: int = 4096,
-    windows: int = 8,
+    context: int = 8192,
+    windows: int = 4,
     progress: bool = True,
     **options,
 ) -> SignatureEncoders:
@@ -232,8 +258,8 @@ def train_signatures(
     texts: token windows [N, context] (a LongTensor), a list of strings (needs `tokenizer`), or
     None for the training split of the real text that ships with Python (`sparse_fx.data`,
     disjoint from the held-out split; needs `tokenizer`). options: fields of `TrainConfig`
-    (hidden, queries, top, alpha, beta, steps, batch_queries, batch_keys, lr, seed, key_sharing).
-    With the defaults, SmolLM2-135M trains in about 14 minutes on 2 CPU cores. Deterministic under
+    (hidden, queries, top, alpha, beta, steps, batch_queries, batch_keys, lr, seed, key_sharing, sink, local).
+    With the defaults, SmolLM2-135M trains in about 12 minutes on 2 CPU cores. Deterministic under
     `seed`; captures and trains where the model is (CPU or GPU).
     """
     config = TrainConfig(bits=bits, context=context, **options)

@@ -128,7 +128,7 @@ def test_signature_training_runs_on_the_gpu_like_on_the_cpu():
     base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (3, 400), generator=torch.Generator().manual_seed(0))
     data = capture_windows(base, ids, cfg, progress=False)
-    assert data[0].keys.is_cuda and data[0].ranked.is_cuda
+    assert data[0].keys.is_cuda and data[0].ranked.is_cuda and data[0].labels.is_cuda
     layers, history = train_on_windows(data, cfg, progress=False)
     again, history_again = train_on_windows(data, cfg, progress=False)
     assert history == history_again

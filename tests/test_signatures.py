@@ -42,33 +42,73 @@ def test_trained_encoders_beat_random_ones_on_their_own_objective():
     assert trained_history[-1] < history[0]
 
 
-def test_sampled_loss_is_the_weighted_bce_of_the_sampled_pairs():
-    """The softplus form of the loss equals torch's weighted BCE over the sampled (query, key)
-    pairs (positives alpha + beta * n, negatives 1, future keys 0), for all keys and a subsample."""
+@pytest.mark.parametrize("sharing,labels", [("kv", "kv"), ("kv", "query"), ("query", "query")])
+def test_sampled_loss_is_the_weighted_bce_of_the_served_score(sharing, labels):
+    """The softplus form of the loss equals torch's weighted BCE over the sampled (query, key) pairs
+    of each selection unit, for all keys and a subsample: the logit is temp * the sum of tanh-code
+    dots over the unit's query heads + bias (with "kv" labels a KV head sums its query heads, the
+    served score's order; with "query" labels each query head is a unit), targets are the unit's labels, positives weigh alpha + beta * n,
+    other candidates 1, and keys the plan keeps (first `sink`, last `local`) or after the query 0."""
     from sparse_fx.train import Window, _loss, _mlp
 
     gen = torch.Generator().manual_seed(5)
-    layers, hq, hkv, T, S, D, top = 2, 4, 2, 40, 6, 8, 5
-    positions = torch.sort(torch.randint(top + 2, T, (S,), generator=gen)).values
+    layers, hq, hkv, T, S, D, top, sink, local = 2, 4, 2, 40, 6, 8, 5, 3, 4
+    G, units, key_heads = hq // hkv, (hkv if labels == "kv" else hq), (hkv if sharing == "kv" else hq)
+    positions = torch.sort(torch.randint(sink + local + top + 2, T, (S,), generator=gen)).values
     queries = torch.randn(layers, hq, S, D, generator=gen)
     keys = torch.randn(layers, hkv, T, D, generator=gen).half()
-    logits = queries @ keys.float().repeat_interleave(2, 1).transpose(-1, -2)
-    logits = logits.masked_fill(torch.arange(T) > positions[:, None], float("-inf"))
-    w = Window(keys, queries, torch.topk(logits, top, -1).indices.int(), positions)
-    cfg = TrainConfig(bits=32, hidden=16, context=T * 10, top=top, alpha=1.5, beta=0.25)
-    q_enc, k_enc = _mlp(layers * hq, D, 16, 32, gen), _mlp(layers * hkv, D, 16, 32, gen)
-    temp, bias = torch.rand(layers * hq, 1, 1, generator=gen) + 0.1, torch.randn(layers * hq, 1, 1, generator=gen)
+    positives = torch.stack([torch.stack([torch.stack([sink + torch.randperm(int(p) - local - sink + 1, generator=gen)[:top]
+                                                    for p in positions]) for _ in range(units)]) for _ in range(layers)])
+    w = Window(keys, queries, positives, positives.int(), positions)
+    cfg = TrainConfig(bits=32, hidden=16, context=T * 10, top=top, alpha=1.5, beta=0.25, sink=sink, local=local,
+                      key_sharing=sharing, labels=labels)
+    q_enc, k_enc = _mlp(layers * hq, D, 16, 32, gen), _mlp(layers * key_heads, D, 16, 32, gen)
+    temp, bias = torch.rand(layers * units, 1, 1, generator=gen) + 0.1, torch.randn(layers * units, 1, 1, generator=gen)
+    qi = torch.tensor([4, 0, 2])
     for kj in (torch.arange(T), torch.sort(torch.randperm(T, generator=gen)[:17]).values):
-        qi = torch.tensor([4, 0, 2])
-        got = _loss(w, qi, kj, q_enc, k_enc, temp, bias, cfg, G=2)
-        qb = torch.tanh(q_enc(queries[:, :, qi].reshape(1, -1, 3, D).double()))[0]
-        kb = torch.tanh(k_enc(keys[:, :, kj].double().reshape(1, -1, len(kj), D)))[0].reshape(layers, hkv, -1, 32)
-        x = (qb @ kb.repeat_interleave(2, 1).reshape(layers * hq, -1, 32).transpose(-1, -2)) * temp.double() + bias.double()
-        target = (kj[None, None, :, None] == w.ranked[:, :, qi].reshape(layers * hq, 3, 1, top)).any(-1).double()
-        n = (positions[qi] + 1).double()[None, :, None]
-        weight = (kj[None, None, :] <= positions[qi][None, :, None]) * torch.where(target > 0, 1.5 + 0.25 * n, 1.0)
+        got = _loss(w, qi, kj, q_enc, k_enc, temp, bias, cfg, G=G)
+        qb = torch.tanh(q_enc(queries[:, :, qi].reshape(1, -1, 3, D).double()))[0].reshape(layers, hq, 3, 32)
+        k_in = keys[:, :, kj].double().repeat_interleave(G if sharing == "query" else 1, 1)
+        kb = torch.tanh(k_enc(k_in.reshape(1, -1, len(kj), D)))[0].reshape(layers, key_heads, len(kj), 32)
+        x = torch.zeros(layers, units, 3, len(kj), dtype=torch.float64)
+        for layer in range(layers):
+            for h in range(hq):
+                u = h // G if labels == "kv" else h
+                x[layer, u] += qb[layer, h] @ kb[layer, h // G if sharing == "kv" else h].T
+        x = x.reshape(layers * units, 3, -1) * temp.double() + bias.double()
+        target = (kj[None, None, :, None] == positives[:, :, qi].reshape(layers * units, 3, 1, top)).any(-1).double()
+        p = positions[qi][None, :, None]
+        candidate = (kj[None, None, :] >= sink) & (kj[None, None, :] <= p - local)
+        weight = candidate * torch.where(target > 0, 1.5 + 0.25 * (p + 1).double(), 1.0)
         bce = torch.nn.functional.binary_cross_entropy_with_logits(x, target, weight=weight, reduction="sum")
         torch.testing.assert_close(got.double(), bce / weight.sum(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("labels", ["kv", "query"])
+def test_labels_are_the_top_candidates_by_attention_mass(labels):
+    """Against fp64 attention recomputed from the captured queries and keys: a KV head's labels are
+    its top keys by attention mass summed over its query heads (a query head's by its own, with
+    "query" labels), among the keys the plan does not keep anyway, distinct and visible."""
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(3))
+    cfg = TrainConfig(**{**SMALL, "sink": 5, "local": 7, "labels": labels})
+    [w] = capture_windows(model, ids, cfg, progress=False)
+    layers, hq, S, D = w.queries.shape
+    G = hq // w.keys.shape[1]
+    logits = (w.queries.double() @ w.keys.double().repeat_interleave(G, 1).transpose(-1, -2)) * D**-0.5
+    key = torch.arange(ids.shape[1])
+    mass = torch.softmax(logits.masked_fill(key > w.positions[:, None], float("-inf")), -1)
+    if labels == "kv":
+        mass = mass.reshape(layers, -1, G, S, ids.shape[1]).sum(2)
+    candidate = (key >= 5) & (key <= w.positions[:, None] - 7)  # [S, T]
+    lab = w.labels.long()
+    assert lab.shape == (*mass.shape[:3], cfg.top)
+    assert candidate.expand_as(mass).gather(-1, lab).all()
+    assert (lab.sort(-1).values.diff(dim=-1) > 0).all()
+    chosen = torch.zeros_like(mass, dtype=torch.bool).scatter_(-1, lab, True)
+    weakest_label = mass.gather(-1, lab).min(-1).values
+    strongest_other = mass.masked_fill(chosen | ~candidate, -1.0).max(-1).values
+    assert (weakest_label >= strongest_other - 1e-3 * mass.amax(-1)).all()  # keys were captured in fp16
 
 
 @pytest.mark.parametrize("fixed", [(0, 0), (3, 4)])
@@ -83,7 +123,8 @@ def test_selection_recall_counts_the_true_top_k_inside_the_budget(fixed):
     positions = torch.sort(torch.randint(20, T, (S,), generator=gen)).values
     queries, keys = torch.randn(layers, hq, S, D, generator=gen), torch.randn(layers, hkv, T, D, generator=gen)
     logits = (queries @ keys.repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(torch.arange(T) > positions[:, None], -1e9)
-    w = Window(keys.half(), queries, torch.topk(logits, k, -1).indices.int(), positions)
+    ranked = torch.topk(logits, k, -1).indices.int()
+    w = Window(keys.half(), queries, ranked, ranked, positions)  # labels: unused by recall
     noise = torch.randn(layers, hkv, S, T, generator=gen)  # a score with no tie and no relation to attention
 
     def score(layer, q, kk, pos):
