@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import inspect
 import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
@@ -40,8 +38,8 @@ import sparse_fx  # noqa: E402
 from sparse_fx.data import token_windows  # noqa: E402
 from sparse_fx.lowering.reference import hamming_scores, pack_signs  # noqa: E402
 from sparse_fx.models import cache_root, load_model  # noqa: E402
-from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp, lsh_layer  # noqa: E402
-from sparse_fx.train import TrainConfig, capture_windows, fingerprint, oracle_scores, selection_recall, train_on_windows  # noqa: E402
+from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer  # noqa: E402
+from sparse_fx.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -67,7 +65,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--sparsity", default="16,32")
     ap.add_argument("--heldout-windows", type=int, default=2, help="held-out windows per context for recall")
-    ap.add_argument("--train-windows", type=int, default=inspect.signature(sparse_fx.train_signatures).parameters["windows"].default,
+    ap.add_argument("--train-windows", type=int, default=WINDOWS,
                     help="default: train_signatures'")
     ap.add_argument("--steps", type=int, default=None, help="default: TrainConfig's")
     ap.add_argument("--train-context", type=int, default=None, help="default: TrainConfig's (train at the deployed length)")
@@ -97,20 +95,16 @@ def main() -> None:
               "machine": torch.cuda.get_device_name(a.device) if a.device != "cpu" else f"{platform.machine()} {os.cpu_count()} cpus", "train_config": dataclasses.asdict(cfg)}
 
     def train(name: str, cfg: TrainConfig, windows: int, out: str | None) -> list:
-        """Capture and train one variant on the train split (same tokens for every variant); save it to `out`."""
-        t0 = time.perf_counter()
-        data = capture_windows(model, token_windows(tok, "train", cfg.context, windows, seed=cfg.seed), cfg)
-        t_capture = time.perf_counter() - t0
-        layers, history = train_on_windows(data, cfg)
-        total = time.perf_counter() - t0
-        report["train"][name] = {"config": dataclasses.asdict(cfg), "windows": windows, "capture_s": t_capture,
-                                 "total_s": total, "loss_history": history, "saved_to": out}
+        """Train one variant on the train split (same tokens for every variant); save it to `out`."""
+        enc = sparse_fx.train_signatures(model, tokenizer=tok, windows=windows, **dataclasses.asdict(cfg))
+        m = enc.metadata
+        report["train"][name] = {"config": m["train_config"], "windows": windows, "capture_s": m["capture_seconds"],
+                                 "total_s": m["train_seconds"], "loss_history": m["loss_history"], "saved_to": out}
         if out:
-            SignatureEncoders(layers, cfg.bits, fingerprint(model), {
-                "train_config": dataclasses.asdict(cfg), "loss_history": history, "train_seconds": total,
-                "data": {"source": "sparse_fx.data split 'train'", "windows": windows, "tokens": cfg.context}}).save(out)
-        print(f"{name}: {total:.0f} s (capture {t_capture:.0f} s); loss {history[0]:.4f} -> {history[-1]:.4f}", flush=True)
-        return layers
+            enc.save(out)
+        print(f"{name}: {m['train_seconds']:.0f} s (capture {m['capture_seconds']:.0f} s); "
+              f"loss {m['loss_history'][0]:.4f} -> {m['loss_history'][-1]:.4f}", flush=True)
+        return enc.layers
 
     report["train"] = {}
     learned = {"learned-32": train("learned-32", cfg, a.train_windows, a.encoders)}

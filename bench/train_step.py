@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -28,7 +27,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-from sparse_fx.train import TrainConfig, Window, train_on_windows  # noqa: E402
+from sparse_fx.train import WINDOWS, TrainConfig, Window, train_on_windows  # noqa: E402
 
 
 def windows(device: str, n: int = 2, layers: int = 30, hq: int = 9, hkv: int = 3, T: int = 8192, S: int = 1024, D: int = 64):
@@ -71,8 +70,7 @@ def train_signatures_seconds(config_json: str, device: str) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device, dtype).eval()
-    n = inspect.signature(sparse_fx.train_signatures).parameters["windows"].default
-    ids = torch.randint(0, config.vocab_size, (n, TrainConfig().context), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config.vocab_size, (WINDOWS, TrainConfig().context), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     enc = sparse_fx.train_signatures(model, ids, progress=False)
     if device == "cuda":

@@ -52,16 +52,12 @@ def main(argv=None) -> None:
         run(plans=tuple(args.plans.split(",")), context=args.context, depth=args.depth, budget=args.budget,
             sink=args.sink, local=args.local, backend=args.backend)
     elif args.command == "train-signatures":
-        import time
-
         from .models import load_model
         from .train import train_signatures
 
         model, tok = load_model(args.model)
-        start = time.perf_counter()
         given = {k: getattr(args, k) for k in ("bits", "context", "windows", "steps", "seed") if getattr(args, k) is not None}
         enc = train_signatures(model, tokenizer=tok, **given)
-        enc.metadata["train_seconds"] = time.perf_counter() - start
         enc.save(args.out)
         print(f"saved {enc.bits}-bit encoders for {args.model} to {args.out} ({enc.metadata['train_seconds']:.0f} s)")
     elif args.command == "calibrate":

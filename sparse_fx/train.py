@@ -23,6 +23,7 @@ fall in the sample keep their weight, so the objective is the whole-window one, 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,6 +33,7 @@ from .plan import Plan
 from .runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders, apply_head_mlp
 
 CAPTURE = "sparse_fx_capture"
+WINDOWS = 4  # training windows `train_signatures` takes by default (of TrainConfig.context tokens)
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ def _window(captured, T: int, config: TrainConfig, gen: torch.Generator, device)
         logits = qs @ k.repeat_interleave(G, 0).transpose(-1, -2)  # [Hq,S,T]; softmax order = logit order
         logits = logits.masked_fill(key[None] > positions[None, :, None], float("-inf"))
         ranked.append(torch.topk(logits, max(config.top, 32), dim=-1).indices.int())
-        score = oracle_scores(layer, qs, k, positions, scale) if config.labels == "kv" else logits
+        score = _kv_mass(logits * (qs.shape[-1] ** -0.5 if scale is None else scale), G) if config.labels == "kv" else logits
         labels.append(torch.topk(score.masked_fill(kept[None], float("-inf")), config.top, dim=-1).indices.int())
         keys.append(k.half())
         queries.append(qs)
@@ -248,8 +250,8 @@ def train_signatures(
     *,
     tokenizer=None,
     bits: int = 32,
-    context: int = 8192,
-    windows: int = 4,
+    context: int = TrainConfig.context,
+    windows: int = WINDOWS,
     progress: bool = True,
     **options,
 ) -> SignatureEncoders:
@@ -258,15 +260,19 @@ def train_signatures(
     texts: token windows [N, context] (a LongTensor), a list of strings (needs `tokenizer`), or
     None for the training split of the real text that ships with Python (`sparse_fx.data`,
     disjoint from the held-out split; needs `tokenizer`). options: fields of `TrainConfig`
-    (hidden, queries, top, alpha, beta, steps, batch_queries, batch_keys, lr, seed, key_sharing, sink, local).
-    With the defaults, SmolLM2-135M trains in about 12 minutes on 2 CPU cores. Deterministic under
-    `seed`; captures and trains where the model is (CPU or GPU).
+    (hidden, queries, top, alpha, beta, steps, batch_queries, batch_keys, lr, seed, key_sharing, labels,
+    sink, local). With the defaults, SmolLM2-135M trains in about 12 minutes on 2 CPU cores; the
+    metadata records the seconds spent capturing and in all. Deterministic under `seed`; captures
+    and trains where the model is (CPU or GPU).
     """
     config = TrainConfig(bits=bits, context=context, **options)
+    start = time.perf_counter()
     ids, source = _token_windows(texts, tokenizer, config, windows)
     data = capture_windows(model, ids, config, progress)
+    captured = time.perf_counter()
     encoders, history = train_on_windows(data, config, progress)
-    metadata = {"train_config": asdict(config), "loss_history": history, "data": source}
+    metadata = {"train_config": asdict(config), "loss_history": history, "data": source,
+                "capture_seconds": captured - start, "train_seconds": time.perf_counter() - start}
     return SignatureEncoders(encoders, config.bits, fingerprint(model), metadata)
 
 
@@ -308,8 +314,13 @@ def oracle_scores(layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = (q @ k.repeat_interleave(G, 0).transpose(-1, -2)) * scale
     future = torch.arange(k.shape[1], device=k.device)[None, None] > positions[None, :, None]
-    p = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
-    return p.reshape(k.shape[0], G, *p.shape[1:]).sum(1)
+    return _kv_mass(logits.masked_fill(future, float("-inf")), G)
+
+
+def _kv_mass(logits: torch.Tensor, G: int) -> torch.Tensor:
+    """Scaled, masked logits [Hq,S,T] -> attention mass summed over each KV head's G query heads [Hkv,S,T]."""
+    p = torch.softmax(logits, -1)
+    return p.reshape(-1, G, *p.shape[1:]).sum(1)
 
 
 def selection_recall(
