@@ -6,6 +6,7 @@ Imports nothing else of sparse_fx; the compiler pass inserts these ops, the runt
 from . import reference
 from .ops import (
     hamming_scores,
+    hash_select,
     int2_scores,
     int2_write,
     mass_scores,
@@ -18,6 +19,7 @@ from .ops import (
 __all__ = [
     "reference",
     "hamming_scores",
+    "hash_select",
     "int2_scores",
     "int2_write",
     "mass_scores",

@@ -91,34 +91,34 @@ def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
 
 
 @triton_op("sparse_fx::signature_write", mutates_args={"cache"})
-def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor, reset: bool = False) -> None:
+def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor) -> None:
     """cache[:, :, pos] = pack_signs(logits): cache [B,H,L,W] int32, logits [B,H,T,32W], pos [T]."""
     _check(logits.shape[-1] == cache.shape[-1] * ref.WORD_BITS, "signature_write: logits width must be 32 x the cache's words")
     if cache.is_cuda and _kernels().signature_write_supported(cache, logits, pos):
-        _kernels().signature_write(cache, logits, pos, reset)
+        _kernels().signature_write(cache, logits, pos)
     else:
-        ref.signature_write(cache, logits, pos, reset)
+        ref.signature_write(cache, logits, pos)
 
 
 @triton_op("sparse_fx::int2_write", mutates_args={"codes", "scale", "zero"})
-def int2_write(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, reset: bool = False
-) -> None:
+def int2_write(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
     """Quantise k [B,H,T,D] to INT2 and write codes/scale/zero at positions pos [T]."""
     _check(k.shape[-1] % scale.shape[-1] == 0 and codes.shape[-1] * ref.INT2_CODES_PER_WORD == k.shape[-1], "int2_write: cache widths do not match the head dim")
     if codes.is_cuda and _kernels().int2_write_supported(codes, scale, zero, k, pos):
-        _kernels().int2_write(codes, scale, zero, k, pos, reset)
+        _kernels().int2_write(codes, scale, zero, k, pos)
     else:
-        ref.int2_write(codes, scale, zero, k, pos, reset)
+        ref.int2_write(codes, scale, zero, k, pos)
 
 
 @triton_op("sparse_fx::int2_scores", mutates_args=())
-def int2_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Prism proposal scores [B,Hkv,L] float32: max over the group of <q, INT2 key>."""
+def int2_scores(
+    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Prism proposal scores [B,Hkv,L] float32: max over the group of <q, INT2 key>; with `pos`, -inf after pos[-1]."""
     _check(q.dim() == 4 and q.shape[2] == 1 and q.shape[1] % codes.shape[1] == 0, "int2_scores: q must be [B, Hq, 1, D] with Hq a multiple of Hkv")
-    if q.is_cuda and _kernels().int2_scores_supported(q, codes, scale, zero):
-        return _kernels().int2_scores(q, codes, scale, zero)
-    return ref.int2_scores(q, codes, scale, zero)
+    if q.is_cuda and _kernels().int2_scores_supported(q, codes, scale, zero, pos):
+        return _kernels().int2_scores(q, codes, scale, zero, pos)
+    return ref.int2_scores(q, codes, scale, zero, pos)
 
 
 @triton_op("sparse_fx::mass_scores", mutates_args=())
@@ -137,6 +137,12 @@ def mass_scores(
     return ref.mass_scores(q, k, scale, mask, positions)
 
 
+def _check_select(pos: torch.Tensor, k: int, sink: int, local: int, batch: int, start: Optional[torch.Tensor], what: str) -> None:
+    _check(k > 0 and sink >= 0 and local >= 0, f"{what}: need k > 0, sink >= 0, local >= 0 (got {k}, {sink}, {local})")
+    _check(pos.dim() == 1 and pos.shape[0] >= 1, f"{what}: pos must be [T] positions, got {tuple(pos.shape)}")
+    _check(start is None or tuple(start.shape) == (batch,), f"{what}: start must be [B] = [{batch}], got {None if start is None else tuple(start.shape)}")
+
+
 @triton_op("sparse_fx::select_topk", mutates_args=())
 def select_topk(
     scores: torch.Tensor,
@@ -146,10 +152,35 @@ def select_topk(
     local: int,
     mask: Optional[torch.Tensor] = None,
     positions: Optional[torch.Tensor] = None,
+    start: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """[B,Hkv,sink+local+k] int32 positions: sink, local window, then top-k candidates (-1 empty)."""
-    _check(k > 0 and sink >= 0 and local >= 0, f"select_topk: need k > 0, sink >= 0, local >= 0 (got {k}, {sink}, {local})")
+    """[B,Hkv,sink+local+k] int32 positions: sink, local window, then the top-k candidates in candidate
+    order (-1 empty); ties go to the later candidate. start [B]: each row's first real position."""
+    _check_select(pos, k, sink, local, scores.shape[0], start, "select_topk")
     _check(positions is None or positions.shape == scores.shape, "select_topk: positions must have the shape of scores")
-    if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, positions):
-        return _kernels().select_topk(scores, pos, k, sink, local, mask, positions)
-    return ref.select_topk(scores, pos, k, sink, local, mask, positions)
+    if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, positions, start):
+        return _kernels().select_topk(scores, pos, k, sink, local, mask, positions, start)
+    return ref.select_topk(scores, pos, k, sink, local, mask, positions, start)
+
+
+@triton_op("sparse_fx::hash_select", mutates_args=())
+def hash_select(
+    q_logits: torch.Tensor,
+    k_sig: torch.Tensor,
+    pos: torch.Tensor,
+    k: int,
+    sink: int,
+    local: int,
+    mask: Optional[torch.Tensor] = None,
+    start: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """select_topk of the Hamming similarities of the signed query logits [B,Hq,32W] against the
+    key signatures [B,Hkv,L,W] (HashAttention's decode selection, scoring fused into the select)."""
+    _check(q_logits.dim() == 3 and k_sig.dim() == 4 and q_logits.shape[-1] == 32 * k_sig.shape[-1],
+           f"hash_select: q_logits must be [B, Hq, 32W] and k_sig [B, Hkv, L, W], got {tuple(q_logits.shape)}, {tuple(k_sig.shape)}")
+    _check(q_logits.shape[1] % k_sig.shape[1] == 0, "hash_select: query heads must be a multiple of KV heads")
+    _check_select(pos, k, sink, local, k_sig.shape[0], start, "hash_select")
+    _check_mask(mask, q_logits[:, :, None], k_sig.shape[2], "hash_select")
+    if k_sig.is_cuda and _kernels().hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask, start):
+        return _kernels().hash_select(q_logits, k_sig, pos, k, sink, local, mask, start)
+    return ref.hash_select(q_logits, k_sig, pos, k, sink, local, mask, start)

@@ -124,23 +124,13 @@ def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
     return ((W * WORD_BITS - dist).sum(2)).to(hamming_dtype(Hq // Hkv, W))
 
 
-def signature_write(
-    cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor, reset: bool = False
-) -> None:
+def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor) -> None:
     """cache[:, :, pos] = pack_signs(logits); cache [B,H,L,W], logits [B,H,T,32W], pos [T].
 
-    With `reset` (prefill graphs), a write that starts at position 0 begins a new sequence and
-    also clears every slot after the last written one.
+    Slots after the query's position are never read (every scan stops there), so a new sequence
+    needs no clearing of what an older, longer one left behind.
     """
     cache.index_copy_(2, pos, pack_signs(logits))
-    if reset:
-        _clear_after(cache, pos)
-
-
-def _clear_after(cache: torch.Tensor, pos: torch.Tensor) -> None:
-    slots = torch.arange(cache.shape[2], device=cache.device)
-    stale = (slots > pos[-1]) & (pos[0] == 0)
-    cache.masked_fill_(stale[None, None, :, None], 0)
 
 
 # -------------------------------------------------------------------------------------- INT2
@@ -189,7 +179,6 @@ def int2_write(
     zero: torch.Tensor,
     k: torch.Tensor,
     pos: torch.Tensor,
-    reset: bool = False,
 ) -> None:
     """Quantise the new keys k [B,H,T,D] and write them at `pos` [T] (see `signature_write`)."""
     group = k.shape[-1] // scale.shape[-1]
@@ -197,21 +186,25 @@ def int2_write(
     codes.index_copy_(2, pos, c)
     scale.index_copy_(2, pos, s)
     zero.index_copy_(2, pos, z)
-    if reset:
-        for t in (codes, scale, zero):
-            _clear_after(t, pos)
 
 
-def int2_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def int2_scores(
+    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: torch.Tensor | None = None
+) -> torch.Tensor:
     """Prism proposal score: max over a KV head's query heads of <q, dequantised k>.
 
-    q [B,Hq,1,D], codes [B,Hkv,L,D/16], scale/zero [B,Hkv,L,D/g] -> [B,Hkv,L] float32.
+    q [B,Hq,1,D], codes [B,Hkv,L,D/16], scale/zero [B,Hkv,L,D/g] -> [B,Hkv,L] float32. With `pos`
+    (the positions written this step), slots after pos[-1] hold no key yet: they score -inf and
+    the kernel never reads them.
     """
     B, Hq, _, D = q.shape
-    Hkv = codes.shape[1]
+    Hkv, L = codes.shape[1], codes.shape[2]
     kd = int2_dequantize(codes, scale, zero)  # [B,Hkv,L,D]
     qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
-    return torch.matmul(qg, kd.transpose(-1, -2)).amax(2)
+    out = torch.matmul(qg, kd.transpose(-1, -2)).amax(2)
+    if pos is not None:
+        out = out.masked_fill(torch.arange(L, device=out.device) > pos[-1], float("-inf"))
+    return out
 
 
 # --------------------------------------------------------------------------- exact scores
@@ -254,6 +247,36 @@ def mass_scores(
 
 
 # ------------------------------------------------------------------------------ selection
+def kept(keys: torch.Tensor, query: torch.Tensor, sink: int, local: int, start: torch.Tensor | int = 0) -> torch.Tensor:
+    """The plan's always-kept keys: the first `sink` real positions and the last `local` up to the
+    query (both inclusive of the query itself), whatever any score says. keys and query broadcast;
+    `start` is the first real (non-padding) position of the row. The one definition of the rule:
+    selection, the signature trainer, the measurements and the benches all use it."""
+    return ((keys >= start) & (keys < start + sink)) | ((keys > query - local) & (keys <= query))
+
+
+def first_readable(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """[B] int32: each batch row's first position that some head may read (0 without a mask).
+
+    A left-padded row starts after its padding: that is where its sink lies."""
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.int32)
+    ok = valid_positions(mask, batch, 1, length, mask.device)[:, 0]  # [B, L]
+    return ok.to(torch.int32).argmax(-1).to(torch.int32)
+
+
+def selection_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 ranking keys, ordered like the scores: integer scores as they are; float scores by
+    their bfloat16 truncation (the top 16 bits of the order-preserving image of float32), so that
+    a selection compares scores to 8 significant bits and equal keys are ties. That makes the
+    kernels' radix select exact in two 8-bit levels."""
+    if not scores.is_floating_point():
+        return scores.to(torch.int64)
+    bits = scores.float().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits + 2**31, -1 - bits)  # two's complement: ~bits = -1 - bits
+    return ordered >> 16
+
+
 def select_topk(
     scores: torch.Tensor,
     pos: torch.Tensor,
@@ -262,41 +285,73 @@ def select_topk(
     local: int,
     mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Choose the cache positions one decode query attends to, per KV head.
 
-    scores [B,Hkv,N] (float or int, larger is better) rate candidate positions: slot i is
-    position i, or positions[..., i] when given ([B,Hkv,N], -1 = no candidate). pos [T] holds
-    the positions written this step; pos[-1] is the query's own position. mask: SDPA's
-    attn_mask [B|1,1|Hq,1,L] or None.
+    scores [B,Hkv,N] (float or int, larger is better) rate candidates: candidate i is cache
+    position i, or positions[..., i] when given ([B,Hkv,N], distinct, -1 = no candidate). pos [T]
+    holds the positions written this step; pos[-1] is the query's own position. mask: SDPA's
+    attn_mask [B|1,1|Hq,1,L] or None. start [B]: each row's first real position (left padding;
+    None = 0), where its sink begins.
 
-    Returns [B,Hkv, sink + local + k] int32: slots [0,sink) the sink positions 0..sink-1, slots
-    [sink, sink+local) the local window pos-local+1..pos, then the top-k candidates outside both.
-    A position is never masked, never after pos[-1] and never repeated; unfilled slots are -1.
+    Returns [B,Hkv, sink + local + k] int32: slots [0,sink) the sink start..start+sink-1, slots
+    [sink, sink+local) the local window pos-local+1..pos, then the chosen candidates, then -1.
+    Candidates are the readable positions after the sink and before the local window; the k
+    best by `selection_keys` are chosen, equal keys going to the later candidate (the more recent
+    position), and listed in candidate order. A position is never masked, never after pos[-1]
+    and never repeated; -inf and NaN scores are never chosen.
     """
     B, Hkv, N = scores.shape
     dev = scores.device
-    now = pos[-1]
+    now = pos[-1].long()
+    first = torch.zeros(B, dtype=torch.int64, device=dev) if start is None else start.to(dev).long()
+    first = first[:, None, None]
     L = mask.shape[-1] if mask is not None else None
     window = torch.cat(
         [
-            torch.arange(sink, device=dev),
-            now - local + 1 + torch.arange(local, device=dev),
-        ]
+            torch.arange(sink, device=dev).expand(B, 1, sink) + first,
+            (now - local + 1 + torch.arange(local, device=dev)).expand(B, 1, local),
+        ],
+        dim=-1,
     ).expand(B, Hkv, sink + local)
     in_sink = torch.arange(sink + local, device=dev) < sink
-    window_ok = (window >= 0) & (window <= now) & (in_sink | (window >= sink))
+    window_ok = (window >= 0) & (window <= now) & (in_sink | (window >= first + sink))
     cand = torch.arange(N, device=dev).expand(B, Hkv, N) if positions is None else positions.long()
-    eligible = (cand >= sink) & (cand <= now - local) & (cand >= 0)
+    eligible = (cand >= first) & (cand <= now) & ~kept(cand, now, sink, local, first)
     if L is not None:
         ok = valid_positions(mask, B, Hkv, L)
         window_ok = window_ok & torch.gather(ok, 2, window.clamp(0, L - 1))
         eligible = eligible & torch.gather(ok, 2, cand.clamp(0, L - 1))
+    if scores.is_floating_point():
+        eligible = eligible & (scores > float("-inf")) & ~scores.isnan()
     window = torch.where(window_ok, window, -1)
+    # rank by (key, candidate index): unique, so torch.topk has no ties left to break its own way
+    index = torch.arange(N, device=dev)
+    composite = selection_keys(scores) * (N + 1) + index
+    lowest = torch.iinfo(torch.int64).min
+    composite = torch.where(eligible, composite, lowest)
     kk = min(k, N)
-    ranked = torch.where(eligible, scores.float(), float("-inf"))
-    top, slot = torch.topk(ranked, kk, dim=-1)
-    chosen = torch.where(top > float("-inf"), torch.gather(cand, 2, slot), -1)
+    top, slot = torch.topk(composite, kk, dim=-1)
+    taken = top > lowest
+    slot = torch.where(taken, slot, N).sort(-1).values  # candidate order; not-taken last
+    chosen = torch.where(slot < N, torch.gather(cand, 2, slot.clamp(max=N - 1)), -1)
     if kk < k:
         chosen = torch.cat([chosen, chosen.new_full((B, Hkv, k - kk), -1)], dim=-1)
     return torch.cat([window, chosen], dim=-1).to(torch.int32)
+
+
+def hash_select(
+    q_logits: torch.Tensor,
+    k_sig: torch.Tensor,
+    pos: torch.Tensor,
+    k: int,
+    sink: int,
+    local: int,
+    mask: torch.Tensor | None = None,
+    start: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HashAttention's decode selection in one op: the query logits [B,Hq,32W] signed and packed,
+    scored by Hamming similarity against the key signatures [B,Hkv,L,W] (summed over each KV
+    head's query heads), then `select_topk`. The kernels fuse scoring with the first selection pass."""
+    return select_topk(hamming_scores(pack_signs(q_logits), k_sig), pos, k, sink, local, mask, None, start)

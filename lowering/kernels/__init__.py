@@ -10,7 +10,7 @@ grids from shapes, so the ops trace under torch.compile and capture under CUDA g
 from .gather_attention import sparse_decode_attention, sparse_decode_attention_supported
 from .int2 import int2_scores, int2_scores_supported, int2_write, int2_write_supported
 from .mass import mass_scores, mass_scores_supported
-from .select import select_topk, select_topk_supported
+from .select import hash_select, hash_select_supported, select_topk, select_topk_supported
 from .signatures import (
     hamming_scores,
     hamming_scores_supported,
@@ -21,6 +21,8 @@ from .signatures import (
 )
 
 __all__ = [
+    "hash_select",
+    "hash_select_supported",
     "hamming_scores",
     "hamming_scores_supported",
     "int2_scores",

@@ -60,12 +60,22 @@ def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-# ------------------------------------------------------------------------------------ masks
-class MaskArgs:
-    """Kernel arguments for an SDPA mask [B|1, 1|Hq, 1, L] read per KV head.
+@triton.jit
+def chunk_of(p, lo_c, hi_c, PROGS, BLOCK: tl.constexpr):
+    """Block range [first, last) of program p's chunk of the candidate range [lo_c, hi_c)."""
+    b0 = lo_c // BLOCK
+    b1 = tl.where(hi_c > lo_c, (hi_c + BLOCK - 1) // BLOCK, b0)
+    per = (b1 - b0 + PROGS - 1) // PROGS
+    first = tl.minimum(b0 + p * per, b1)
+    return first, tl.minimum(first + per, b1)
 
-    `heads` is how many mask heads one KV head owns (G when the mask has Hq heads, else 1); the
-    strides of broadcast dims are 0.
+
+# ------------------------------------------------------------------------------------ masks
+class MaskView:
+    """Kernel arguments for an SDPA mask [B|1, 1|Hq, 1, L] read per KV head: the tensor itself
+    (bool read as bytes, no copy), broadcast strides 0, and how many mask heads one KV head owns
+    (G when the mask has Hq heads, else 1). Kernels only load from it, never store through an
+    address derived from it, so Inductor sees a read-only input (no copy-back of the model's mask).
     """
 
     def __init__(self, mask: torch.Tensor | None, kv_heads: int, dummy: torch.Tensor):
@@ -76,14 +86,11 @@ class MaskArgs:
             self.min_half = 0.0
             return
         self.is_bool = mask.dtype == torch.bool
-        # a fresh uint8 copy (B x L bytes): under torch.compile, functionalization treats tensors a
-        # kernel receives as possibly written, and re-syncing the model's expanded bool mask fails
-        self.tensor = mask.to(torch.uint8) if self.is_bool else mask
+        self.tensor = mask.view(torch.uint8) if self.is_bool else mask
         self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
-        t = self.tensor  # the copy's strides, not the view's
-        self.sb = 0 if t.shape[0] == 1 else t.stride(0)
-        self.sh = 0 if t.shape[1] == 1 else t.stride(1)
-        self.sl = t.stride(3)
+        self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
+        self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
+        self.sl = mask.stride(3)
         # a float mask value at or below half the dtype's minimum means "masked" (reference.valid_positions)
         self.min_half = 0.0 if self.is_bool else float(torch.finfo(mask.dtype).min) / 2
 

@@ -95,6 +95,7 @@ def _scenarios():
     """Launcher calls covering every constexpr path the ops take at real shapes (CPU tensors)."""
     from . import (
         hamming_scores,
+        hash_select,
         int2_scores,
         int2_write,
         mass_scores,
@@ -115,18 +116,24 @@ def _scenarios():
     pool = torch.zeros(B, Hkv, 4096, dtype=torch.int64)
     yield "pack_signs", lambda: pack_signs(torch.zeros(B, Hkv * G, 1, 32, dtype=bf))
     yield "signature_write", lambda: signature_write(torch.zeros(B, Hkv, L, 1, dtype=torch.int32),
-                                                     torch.zeros(B, Hkv, 16, 32, dtype=bf), pos[:1].expand(16), True)
+                                                     torch.zeros(B, Hkv, 16, 32, dtype=bf), pos[:1].expand(16))
     yield "hamming_scores", lambda: hamming_scores(torch.zeros(B, Hkv * G, 1, dtype=torch.int32),
                                                    torch.zeros(B, Hkv, L, 1, dtype=torch.int32))
     codes = torch.zeros(B, Hkv, L, D // 16, dtype=torch.int32)
     sc = torch.zeros(B, Hkv, L, D // 32, dtype=torch.float16)
-    yield "int2_write", lambda: int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos, True)
-    yield "int2_scores", lambda: int2_scores(q, codes, sc, sc)
+    yield "int2_write", lambda: int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos)
+    yield "int2_scores", lambda: int2_scores(q, codes, sc, sc, pos)
     yield "int2_scores fp32", lambda: int2_scores(q.float(), codes, sc, sc)
     yield "mass_scores pool", lambda: mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: mass_scores(q, k, None, mask_b)
     yield "select_topk uint8", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
-    yield "select_topk int", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.int32), pos, 256, 128, 128, mask_f)
+    yield "select_topk float", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 256, 128, 128, mask_f,
+                                                   None, torch.zeros(B, dtype=torch.int32))
+    qlog = torch.zeros(B, Hkv * G, 32, dtype=bf)
+    sig = torch.zeros(B, Hkv, L, 1, dtype=torch.int32)
+    yield "hash_select", lambda: hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1])
+    yield "hash_select wide g8 w2", lambda: hash_select(torch.zeros(B, 16, 64, dtype=bf), torch.zeros(B, 2, L, 2, dtype=torch.int32),
+                                                        pos, 512, 128, 128, mask_f, torch.zeros(B, dtype=torch.int32))
     yield "select_topk pool", lambda: select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
                                                   mask_b, pool)
     yield "attention bf16 split", lambda: sparse_decode_attention(q, k, k, idx, None, mask_f)
@@ -145,6 +152,9 @@ def _scenarios():
     c3 = torch.zeros(1, 3, 8192, 4, dtype=torch.int32)
     s3 = torch.zeros(1, 3, 8192, 2, dtype=torch.float16)
     yield "int2 d64 g3", lambda: (int2_write(c3, s3, s3.clone(), k3[:, :, :1], pos), int2_scores(q3, c3, s3, s3))
+    yield "int2 d256 g8 fp16", lambda: int2_scores(q16, torch.zeros(1, 2, 1024, 16, dtype=torch.int32),
+                                                   torch.zeros(1, 2, 1024, 8, dtype=torch.float16),
+                                                   torch.zeros(1, 2, 1024, 8, dtype=torch.float16))
     yield "attention d64 g3 float mask", lambda: sparse_decode_attention(q3, k3, k3, idx[:, :3], None, mask_f)
     yield "hamming g3 w2", lambda: hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
 

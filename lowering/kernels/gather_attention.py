@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, MaskArgs, dot, upcast_dot, interpreting, is_pow2, num_sms, on_kernel_device, pow2
+from .common import FLOAT_DTYPES, MaskView, dot, upcast_dot, interpreting, is_pow2, num_sms, on_kernel_device, pow2
 
 MAX_SPLITS = 64
 
@@ -35,13 +35,15 @@ def _attn_tile(
     s = dot(q, tl.trans(kt), DOT_PRECISION, UPCAST) * sm_scale  # [G_PAD, BLOCK_N] fp32
     s = tl.where(valid[None, :], s, float("-inf"))
     if HAS_MASK:
-        mptr = mask_row + g[:, None] * smh + idx[None, :] * sml
-        active = gm[:, None] & valid[None, :]
+        if MASK_HEADS == 1:  # one mask row for all G heads: one load per selected position
+            mv = tl.load(mask_row + idx * sml, mask=valid, other=1 if MASK_BOOL else 0.0)[None, :]
+        else:
+            mv = tl.load(mask_row + g[:, None] * smh + idx[None, :] * sml, mask=gm[:, None] & valid[None, :],
+                         other=1 if MASK_BOOL else 0.0)
         if MASK_BOOL:
-            mv = tl.load(mptr, mask=active, other=1)
             s = tl.where(mv != 0, s, float("-inf"))
         else:
-            s = s + tl.load(mptr, mask=active, other=0.0).to(tl.float32)
+            s = s + mv.to(tl.float32)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing readable yet: exp(-inf - 0) = 0
     alpha = tl.exp(m_i - m_safe)
@@ -175,8 +177,12 @@ def sparse_decode_attention_supported(q, k, v, indices, scale=None, mask=None) -
     )
 
 
-def sparse_decode_attention(q, k, v, indices, scale=None, mask=None) -> torch.Tensor:
-    """softmax(q k[idx]^T * scale + mask[idx]) v[idx] per KV head: [B,Hq,1,Dv] in q's dtype."""
+def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=None, warps=4, stages=None,
+                            waves=None) -> torch.Tensor:
+    """softmax(q k[idx]^T * scale + mask[idx]) v[idx] per KV head: [B,Hq,1,Dv] in q's dtype.
+
+    block_n / warps / stages / waves (programs per SM the split count aims for) are tuning knobs;
+    unset, they take bench/kernel_tuning.py's choice on an H200 for the row count."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     DV = v.shape[-1]
@@ -187,13 +193,16 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None) -> torch.Te
         return torch.zeros(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     out = torch.empty(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     sm_scale = D**-0.5 if scale is None else float(scale)
-    BLOCK_N = 64 if max(D, DV) <= 128 else 32
+    many = R >= 64  # enough rows to fill the GPU with few splits: wider tiles pay
+    BLOCK_N = block_n or (64 if many and max(D, DV) <= 128 else 32)
+    stages = stages or (2 if BLOCK_N == 64 else 3)
+    waves = waves or (8 if many else 4)
     G_PAD = max(16, pow2(G))
     blocks = triton.cdiv(NIDX, BLOCK_N)
-    splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(4 * num_sms(q.device), R)))
+    splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(waves * num_sms(q.device), R)))
     split_len = triton.cdiv(blocks, splits) * BLOCK_N
     splits = triton.cdiv(NIDX, split_len)
-    ma = MaskArgs(mask, Hkv, indices)
+    ma = MaskView(mask, Hkv, indices)
     if splits > 1:
         pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
@@ -213,7 +222,7 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None) -> torch.Te
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=upcast_dot(q.dtype),
         USE_FOR=not interpreting(),
-        num_warps=4,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(B * Hq,)](

@@ -25,7 +25,7 @@ from .common import (
     upcast_dot,
 )
 
-INT2_BLOCK_L = 128  # keys per step of the score scan (rows of each per-word MMA)
+INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
 
 
 # ---------------------------------------------------------------------------------- write
@@ -103,10 +103,8 @@ def int2_write_supported(codes, scale, zero, k, pos) -> bool:
     )
 
 
-def int2_write(codes, scale, zero, k, pos, reset: bool = False) -> None:
+def int2_write(codes, scale, zero, k, pos) -> None:
     """Quantise k [B,H,T,D] and write codes/scale/zero at positions pos [T] (reference.int2_write)."""
-    from .signatures import clear_after
-
     B, H, T, D = k.shape
     M = scale.shape[-1]
     if B * H * T > 0:
@@ -118,49 +116,66 @@ def int2_write(codes, scale, zero, k, pos, reset: bool = False) -> None:
             *k.stride(), *codes.stride(), *scale.stride(), *zero.stride(), pos.stride(0),
             D=D, M=M, BLOCK_T=BLOCK_T,
         )
-    if reset:
-        for t in (codes, scale, zero):
-            clear_after(t, pos)
 
 
 # ---------------------------------------------------------------------------------- scores
 @triton.jit
-def _int2_scores_block(
-    q_row, c_row, s_row, z_row, o_row, start, L, sqh, sqd, scl, scw, ssl, ssm, szl, szm, sol,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BLOCK_L: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
+def _int2_scores_tile(
+    q_bd, q_hi, qsum, c_row, s_row, z_row, o_row, start, filled, L, scl, scw, ssl, ssm, szl, szm, sol,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
+    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
 ):
-    """Scores of BLOCK_L keys: per 16-channel word, one [BLOCK_L, 16] x [16, G_PAD] MMA of the
-    codes (exact in the operand dtype) against the queries, summed per scale group."""
-    GS: tl.constexpr = D // M
-    WPG: tl.constexpr = GS // 16
-    g = tl.arange(0, G_PAD)
-    gmask = g < G
-    shifts = 2 * tl.arange(0, 16)
-    c16 = tl.arange(0, 16)
+    """Scores of BLOCK_L keys: their codes as a [BLOCK_L, D] tile of small floats times the block-
+    diagonal query matrix [D, M_PAD * G_PAD] (column m * G_PAD + g holds query head g on the
+    channels of scale group m) in one MMA; then per key and head sum_m scale_m * dot_m +
+    zero_m * qsum_m, and the max over the heads.
+
+    VARIANT 0 unpacks each code (shift, mask, convert); VARIANT 1 makes two codes per 32-bit op:
+    (word >> 2i) & 0x00030003 | MAGIC puts channels i and i + 8 of a word, plus a constant 2^k,
+    in the low and high halves as two 16-bit floats (k = 7 for bf16, 10 for fp16), fed to two MMAs
+    against the matching query rows; the constant's share, 2^k * qsum, is taken off with the zero."""
     offs = start + tl.arange(0, BLOCK_L)
-    live = offs < L
     o64 = offs.to(tl.int64)
-    acc = tl.zeros([BLOCK_L, G_PAD], dtype=tl.float32)
-    for m in tl.static_range(M):
-        dot = tl.zeros([BLOCK_L, G_PAD], dtype=tl.float32)
-        qsum = tl.zeros([G_PAD], dtype=tl.float32)
-        for w in tl.static_range(WPG):
-            word = tl.load(c_row + o64 * scl + (m * WPG + w) * scw, mask=live, other=0)
-            code = (word[:, None] >> shifts[None, :]) & 3  # [BLOCK_L, 16]
-            qw = tl.load(q_row + g[None, :] * sqh + (m * GS + w * 16 + c16)[:, None] * sqd, mask=gmask[None, :], other=0.0)
-            dot = tl.dot(code.to(OP_DTYPE), qw.to(OP_DTYPE), dot, input_precision=DOT_PRECISION)
-            qsum += tl.sum(qw.to(tl.float32), axis=0)
-        sc = tl.load(s_row + o64 * ssl + m * ssm, mask=live, other=0.0).to(tl.float32)
-        z = tl.load(z_row + o64 * szl + m * szm, mask=live, other=0.0).to(tl.float32)
-        acc += sc[:, None] * dot + z[:, None] * qsum[None, :]
-    acc = tl.where(gmask[None, :], acc, float("-inf"))
-    tl.store(o_row + o64 * sol, tl.max(acc, axis=1), mask=live)
+    if start < filled:
+        live = offs < filled
+        NW: tl.constexpr = D // 16
+        w = tl.arange(0, NW)
+        words = tl.load(c_row + o64[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
+        if VARIANT == 1:
+            pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
+            lo = tl.reshape(pair.to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
+            hi = tl.reshape((pair >> 16).to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
+            part = tl.dot(lo, q_bd, input_precision=DOT_PRECISION)
+            part = tl.dot(hi, q_hi, part, input_precision=DOT_PRECISION)
+        elif VARIANT == 2:  # as 1, halves joined back into channel order: one MMA on the natural tile
+            pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
+            lo = pair.to(tl.int16).to(HALF, bitcast=True)
+            hi = (pair >> 16).to(tl.int16).to(HALF, bitcast=True)
+            tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_L, D)).to(OP_DTYPE)
+            part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)
+        else:
+            codes = (words[:, :, None] >> (2 * tl.arange(0, 16))[None, None, :]) & 3
+            tile = tl.reshape(codes, (BLOCK_L, D)).to(OP_DTYPE)
+            part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)  # [BLOCK_L, M_PAD * G_PAD]
+        part = tl.reshape(part, (BLOCK_L, M_PAD, G_PAD))
+        m = tl.arange(0, M_PAD)
+        lm = live[:, None] & (m < M)[None, :]
+        sc = tl.load(s_row + o64[:, None] * ssl + m[None, :] * ssm, mask=lm, other=0.0).to(tl.float32)
+        z = tl.load(z_row + o64[:, None] * szl + m[None, :] * szm, mask=lm, other=0.0).to(tl.float32)
+        if VARIANT > 0:
+            z = z - sc * MAGIC_VALUE
+        acc = tl.sum(part * sc[:, :, None], axis=1) + tl.sum(z[:, :, None] * qsum[None, :, :], axis=1)
+        acc = tl.where((tl.arange(0, G_PAD) < G)[None, :], acc, float("-inf"))
+        score = tl.where(live, tl.max(acc, axis=1), float("-inf"))
+    else:  # not written yet: never read, scored -inf
+        score = tl.full([BLOCK_L], float("-inf"), tl.float32)
+    tl.store(o_row + o64 * sol, score, mask=offs < L)
 
 
 @triton.jit
 def _int2_scores_kernel(
-    q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr,
+    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, out_ptr,
     Hkv, L, PROGS,
     sqb, sqh, sqd,
     scb, sch, scl, scw,
@@ -168,40 +183,66 @@ def _int2_scores_kernel(
     szb, szh, szl, szm,
     sob, soh, sol,
     G: tl.constexpr,  # query heads per KV head: all scored in one program, so codes are read once
-    G_PAD: tl.constexpr,  # G padded to a tl.dot width (>= 16)
+    G_PAD: tl.constexpr,  # G padded to a power of two
     D: tl.constexpr,  # head dim (power of two)
-    M: tl.constexpr,  # groups per key: one MMA per group, then scale and zero per key
-    BLOCK_L: tl.constexpr,  # keys per loop step (rows of the per-group MMA)
+    M: tl.constexpr,  # scale groups per key
+    M_PAD: tl.constexpr,  # M padded so that M_PAD * G_PAD >= 16 (the MMA's narrowest N)
+    BLOCK_L: tl.constexpr,  # keys per loop step (rows of the MMA)
+    HAS_POS: tl.constexpr,  # stop at the query's position (slots after it hold no key yet)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 queries (exact); bf16/fp16 queries and codes 0..3 are exact as is
-    OP_DTYPE: tl.constexpr,  # MMA operand dtype: the query's (codes 0..3 are exact in every float dtype)
+    OP_DTYPE: tl.constexpr,  # MMA operand dtype: the query's (fp32 under the interpreter)
+    VARIANT: tl.constexpr,  # how codes become MMA operands (see _int2_scores_tile)
+    MAGIC: tl.constexpr,  # VARIANT 1: two copies of the 16-bit float 2^k (0x43004300 bf16, 0x64006400 fp16)
+    MAGIC_VALUE: tl.constexpr,  # VARIANT 1: 2^k as a float (128 or 1024)
+    HALF: tl.constexpr,  # VARIANT 1: that 16-bit float type
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)
     b = (r // Hkv).to(tl.int64)
     h = (r % Hkv).to(tl.int64)
-    q_row = q_ptr + b * sqb + (h * G) * sqh
+    filled = tl.minimum(tl.load(tpos_ptr).to(tl.int64) + 1, L) if HAS_POS else tl.zeros([], tl.int64) + L
+    GS: tl.constexpr = D // M
+    c = tl.arange(0, D)
+    n = tl.arange(0, M_PAD * G_PAD)
+    own = ((c[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
+    q_head = q_ptr + b * sqb + (h * G + n % G_PAD)[None, :] * sqh
+    if VARIANT == 1:  # rows w * 8 + i: channel 16 w + i (low halves) and 16 w + 8 + i (high halves)
+        j = tl.arange(0, D // 2)
+        ch_lo = (j // 8) * 16 + j % 8
+        own_lo = ((ch_lo[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
+        own_hi = (((ch_lo + 8)[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
+        q_lo = tl.load(q_head + ch_lo[:, None] * sqd, mask=own_lo, other=0.0)
+        q_up = tl.load(q_head + (ch_lo + 8)[:, None] * sqd, mask=own_hi, other=0.0)
+        q_bd = q_lo.to(OP_DTYPE)
+        q_hi = q_up.to(OP_DTYPE)
+        qsum = tl.reshape(tl.sum(q_lo.to(tl.float32), axis=0) + tl.sum(q_up.to(tl.float32), axis=0), (M_PAD, G_PAD))
+    else:
+        qv = tl.load(q_head + c[:, None] * sqd, mask=own, other=0.0)
+        q_bd = qv.to(OP_DTYPE)
+        q_hi = q_bd
+        qsum = tl.reshape(tl.sum(qv.to(tl.float32), axis=0), (M_PAD, G_PAD))
     c_row = codes_ptr + b * scb + h * sch
     s_row = scale_ptr + b * ssb + h * ssh
     z_row = zero_ptr + b * szb + h * szh
     o_row = out_ptr + b * sob + h * soh
     if USE_FOR:
         for start in tl.range(pid * BLOCK_L, L, PROGS * BLOCK_L):  # grid-stride
-            _int2_scores_block(q_row, c_row, s_row, z_row, o_row, start, L, sqh, sqd, scl, scw, ssl, ssm, szl, szm,
-                               sol, G, G_PAD, D, M, BLOCK_L, DOT_PRECISION, OP_DTYPE)
+            _int2_scores_tile(q_bd, q_hi, qsum, c_row, s_row, z_row, o_row, start, filled, L, scl, scw, ssl, ssm, szl,
+                              szm, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
     else:
         start = pid * BLOCK_L
         while start < L:
-            _int2_scores_block(q_row, c_row, s_row, z_row, o_row, start, L, sqh, sqd, scl, scw, ssl, ssm, szl, szm,
-                               sol, G, G_PAD, D, M, BLOCK_L, DOT_PRECISION, OP_DTYPE)
+            _int2_scores_tile(q_bd, q_hi, qsum, c_row, s_row, z_row, o_row, start, filled, L, scl, scw, ssl, ssm, szl,
+                              szm, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
             start += PROGS * BLOCK_L
 
 
 _OP_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def int2_scores_supported(q, codes, scale, zero) -> bool:
-    if not on_kernel_device(q, codes, scale, zero):
+def int2_scores_supported(q, codes, scale, zero, pos=None) -> bool:
+    if not on_kernel_device(q, codes, scale, zero, pos):
         return False
     if q.dim() != 4 or codes.dim() != 4 or scale.dim() != 4 or zero.dim() != 4:
         return False
@@ -213,17 +254,19 @@ def int2_scores_supported(q, codes, scale, zero) -> bool:
         and codes.dtype == torch.int32
         and scale.dtype in FLOAT_DTYPES
         and zero.dtype in FLOAT_DTYPES
-        and is_pow2(D) and 16 <= D <= 512
+        and is_pow2(D) and 16 <= D <= 256
         and codes.shape[-1] * INT2_CODES_PER_WORD == D
-        and M > 0 and D % M == 0 and is_pow2(M) and D // M >= 16
+        and M > 0 and D % M == 0 and is_pow2(M)
         and zero.shape == scale.shape
         and scale.shape[:3] == codes.shape[:3]
         and q.shape[0] == codes.shape[0]
         and q.shape[1] % codes.shape[1] == 0
+        and (pos is None or (pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point()))
     )
 
 
-def int2_scores(q, codes, scale, zero) -> torch.Tensor:
+def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=4, stages=STREAM_STAGES,
+                waves=STREAM_WAVES, variant=2) -> torch.Tensor:
     """max over the group of <q, dequantised k>: [B,Hkv,L] float32 (reference.int2_scores)."""
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
@@ -232,17 +275,24 @@ def int2_scores(q, codes, scale, zero) -> torch.Tensor:
     out = torch.empty(B, Hkv, L, dtype=torch.float32, device=codes.device)
     if B * Hkv * L == 0:
         return out
-    BLOCK_L = INT2_BLOCK_L
-    progs = programs_per_row(B * Hkv, triton.cdiv(L, BLOCK_L), codes.device, waves=STREAM_WAVES)
+    G_PAD = pow2(G)
+    progs = programs_per_row(B * Hkv, triton.cdiv(L, block_l), codes.device, waves=waves)
+    op = torch.float32 if upcast_dot(q.dtype) or interpreting() else q.dtype
+    half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
+    variant = variant if half is not None else 0  # fp32 queries: the exact path
     torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
-        q, codes, scale, zero, out,
+        q, codes, scale, zero, pos[-1:] if pos is not None else codes, out,
         Hkv, L, progs,
         q.stride(0), q.stride(1), q.stride(3),
         *codes.stride(), *scale.stride(), *zero.stride(), *out.stride(),
-        G=G, G_PAD=max(16, pow2(G)), D=D, M=M, BLOCK_L=BLOCK_L,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        OP_DTYPE=_OP_DTYPE[torch.float32 if upcast_dot(q.dtype) else q.dtype],
+        G=G, G_PAD=G_PAD, D=D, M=M, M_PAD=max(M, 16 // min(G_PAD, 16)), BLOCK_L=block_l,
+        HAS_POS=pos is not None,
+        DOT_PRECISION="ieee" if op == torch.float32 else "tf32",
+        OP_DTYPE=_OP_DTYPE[op],
+        VARIANT=variant, MAGIC=0x43004300 if half == torch.bfloat16 else 0x64006400,
+        MAGIC_VALUE=128.0 if half == torch.bfloat16 else 1024.0,
+        HALF=_OP_DTYPE[half or torch.float16],
         USE_FOR=not interpreting(),
-        num_warps=4, num_stages=STREAM_STAGES,
+        num_warps=warps, num_stages=stages,
     )
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, MaskArgs, dot, upcast_dot, interpreting, is_pow2, mask_readable, num_sms, on_kernel_device, pow2
+from .common import FLOAT_DTYPES, MaskView, dot, upcast_dot, interpreting, is_pow2, mask_readable, num_sms, on_kernel_device, pow2
 
 MAX_SPLITS = 64
 
@@ -190,7 +190,7 @@ def mass_scores(q, k, scale=None, mask=None, positions=None) -> torch.Tensor:
     scratch = torch.empty(R * G * N, dtype=torch.float32, device=q.device)
     pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    ma = MaskArgs(mask, Hkv, k)
+    ma = MaskView(mask, Hkv, k)
     pos = positions if positions is not None else out  # unused without positions
     sp = positions.stride() if positions is not None else (0, 0, 0)
     torch.library.wrap_triton(_mass_logits_kernel)[(splits, R)](

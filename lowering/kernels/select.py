@@ -1,23 +1,23 @@
 """Top-k selection of cache positions per (batch, KV head) row: sink + local window + top-k.
 
-A histogram / threshold select (no sort of the row). Each eligible candidate (readable, not after
-the query, outside the window) gets an integer key ordered like its score; ineligible ones are
-skipped. The k-th largest key is found by radix refinement with 256-bin histograms: a level bins
-the keys of the current key range [lo, lo + 2^w) by their top 8 bits, and the bin holding the k-th
-key becomes the next range; every key above it is taken. Every pass over a row runs many programs
-per row, so 8 rows at batch 1 still fill the GPU; a pass derives the previous levels' thresholds
-from their histograms in its prologue (a 256-entry scan), so no pass waits on a separate kernel.
+A deterministic radix select with no sort, no atomics and no zero-filled scratch. Every candidate
+gets a ranking key (`reference.selection_keys`; 0 = not eligible): 8 bits for Hamming similarities
+of up to 254 (the fused `hash_select` path), else 16 bits (float scores rounded to bfloat16, small
+integers offset). The grid is (P, rows); program p of a row owns a contiguous chunk of its
+candidates, whole blocks, so its loads stay aligned. The candidates of a cache row stop at the
+query (pos[-1]) minus the local window: slots beyond, written or not, are never read.
 
-  uint8 scores (Hamming similarities, `reference.hamming_dtype`): the key is the score; one level
-  is exact.                                     hist -> compact              (2 reads of the row)
-  other scores: the order-preserving int32 image of the score (float bits, negatives flipped) or
-  the integer; its range from a min/max pass; three levels leave a final bin at most 256 keys wide,
-  whose candidates go to a small buffer that `resolve` ranks exactly.
-                              minmax -> hist x3 -> compact -> resolve        (5 reads of the row)
+  keys   each program writes its chunk's keys and the suffix-cumulative histogram of their top
+         byte (count of keys >= b, for b in 0..255): a row of `cum` per program
+  hist2  (16-bit keys) every program sums the row's histograms, finds the top byte t1 of the
+         k-th key, and histograms the low byte of its chunk's keys whose top byte is t1
+  select every program derives the k-th key t (the threshold), how many keys are above it (A) and
+         equal to it (T), and from the programs before it how many of each came earlier. Keys
+         above t are all taken; of the T ties the last m = k - A in candidate order are taken (the
+         most recent positions). A taken candidate's output slot is the number of taken ones
+         before it, so the chosen list comes out in candidate order, the same on every run.
 
-Ties of equal keys are taken by arrival (the reference allows any); so is a final bin holding more
-than BUF candidates (then the result is exact up to 256 units in the last place of the scores).
-`compact` also writes the sink / local window and the -1 padding.
+Program 0 of each row also writes the sink / local window and the -1 padding.
 """
 
 from __future__ import annotations
@@ -28,365 +28,416 @@ import triton.language as tl
 
 from .common import (
     FLOAT_DTYPES,
-    STREAM_STAGES,
+    MaskView,
+    chunk_of,
     STREAM_WAVES,
-    MaskArgs,
     interpreting,
-    mask_readable,
     on_kernel_device,
     pow2,
     programs_per_row,
 )
 
-KEY_NONE = tl.constexpr(-(2**31))  # not a candidate
-KEY_NEGINF = tl.constexpr(-2139095041)  # ordered key of float32 -inf: never chosen
-NB = tl.constexpr(256)  # bins per level: 8 bits of the key range
-LEVELS = 3  # for keys wider than 8 bits: 32 -> 24 -> 16 -> 8 bits left
-BUF = 1024  # final-bin candidates ranked exactly by `resolve`
-BLOCK_U8 = 4096  # candidates per step of the streaming passes (uint8 scores: 32 bytes a thread)
-BLOCK_WIDE = 2048
+MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
 WIN_BLOCK = tl.constexpr(256)
-# per-row int64 state: 0 kmin, 1 kmax, 2 eligible count, 3 taken-above counter, 4 tie counter
-STATE = tl.constexpr(8)
+# Launch defaults from bench/kernel_tuning.py on an H200 (bench/NOTES.md, Kernels): the float path
+# reads 4-byte scores, so few wide levels win; the Hamming path is instruction-bound on its
+# histogram, so 16-bin levels (two for 8-bit keys) and many programs win.
+BLOCK = 2048  # candidates per step of every pass (all passes of one select cut the same chunks)
+LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
+WAVES = 4
+HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
+SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2}
 
-SCORE_DTYPES = FLOAT_DTYPES + (torch.uint8, torch.int8, torch.int16, torch.int32)
 
-
-# ------------------------------------------------------------------------------ device helpers
+# ------------------------------------------------------------------------------ value helpers
 @triton.jit
-def _keys(
-    scores_row, pos_row, mask_b, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-    HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
-    INT_KEYS: tl.constexpr,
-):
-    """(key int32, cache position int64) of candidates `offs` of one row; KEY_NONE where ineligible."""
-    inb = offs < N
+def float_key16(s):
+    """16-bit key of float32 scores: the top half of their order-preserving int32 image."""
+    bits = s.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, (bits >> 16) + 32768, (~bits) >> 16)
+
+
+@triton.jit
+def threshold(rowcum, need, NB: tl.constexpr):
+    """Largest bin b whose suffix count reaches `need`, and the count above that bin."""
+    i = tl.arange(0, NB)
+    t = tl.maximum(tl.max(tl.where(rowcum >= need, i, -1), axis=0), 0)
+    above = tl.sum(tl.where(i == t + 1, rowcum, 0), axis=0)
+    return t, above
+
+
+@triton.jit
+def descend(cum_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_PAD: tl.constexpr):
+    """Walk the first DONE radix levels of row r from the per-program suffix counts in `cum`
+    ([levels, R, PROGS, 2^LB], a private scratch): the key prefix holding the k-th key, how many
+    keys to take (min(k, eligible)), how many lie above the prefix, how many of those sit in the
+    chunks of programs before p; and, at the last level, the row's and those chunks' ties."""
+    NB: tl.constexpr = 1 << LB
+    i = tl.arange(0, NB)
+    pp = tl.arange(0, P_PAD)
+    earlier = pp < p
+    prefix = tl.zeros([], tl.int32)
+    need = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.int32)
+    a_before = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    t_before = tl.zeros([], tl.int32)
+    for lvl in tl.static_range(DONE):
+        tile = tl.load(cum_ptr + ((lvl * R + r) * PROGS + pp)[:, None] * NB + i[None, :],
+                       mask=(pp < PROGS)[:, None], other=0)
+        rowcum = tl.sum(tile, axis=0)
+        if lvl == 0:
+            need = tl.minimum(tl.sum(tl.where(i == 0, rowcum, 0), axis=0), K)
+        t, up = threshold(rowcum, need - above, NB)
+        col_up = tl.sum(tl.where(i[None, :] == t + 1, tile, 0), axis=1)
+        a_before += tl.sum(tl.where(earlier, col_up, 0), axis=0)
+        if lvl == DONE - 1:
+            col_t = tl.sum(tl.where(i[None, :] == t, tile, 0), axis=1)
+            ties = tl.sum(tl.where(i == t, rowcum, 0), axis=0) - up
+            t_before = tl.sum(tl.where(earlier, col_t - col_up, 0), axis=0)
+        above += up
+        prefix = prefix * NB + t
+    return prefix, need, above, a_before, ties, t_before
+
+
+@triton.jit
+def row_range(now, first, N, sink, local, HAS_POS: tl.constexpr):
+    """Candidate range [lo, hi) of a row: cache slots between the sink and the local window, or
+    all N entries of a pool."""
     if HAS_POS:
-        cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=inb, other=-1).to(tl.int64)
+        return tl.zeros([], tl.int64), tl.zeros([], tl.int64) + N
+    return first + sink, tl.minimum(now - local + 1, N)
+
+
+# ------------------------------------------------------------------------------ key pass (scores)
+@triton.jit
+def _score_keys_block(
+    scores_row, pos_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, L, min_half,
+    ssn, spn, smh, sml, acc,
+    HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
+    KIND: tl.constexpr, LB: tl.constexpr,
+):
+    live = (offs >= lo_c) & (offs < hi_c)
+    if HAS_POS:
+        cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1).to(tl.int64)
     else:
         cand = offs.to(tl.int64)
-    elig = inb & (cand >= sink) & (cand <= now - local) & (cand >= 0)
+    elig = live & (cand >= first + sink) & (cand <= now - local)
     if HAS_MASK:
-        if HAS_POS:
-            col = tl.minimum(tl.maximum(cand, 0), L - 1)
-        else:
-            col = cand  # slots 0..N-1 = positions: keep the loads contiguous
-        elig = mask_readable(mask_b, 0, h, col, elig, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
-    if INT_KEYS:
-        key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32)
+        col = tl.minimum(tl.maximum(cand, 0), L - 1)
+        ok = cand < 0
+        for g in tl.static_range(MASK_HEADS):
+            m = tl.load(mask_b + (h * MASK_HEADS + g) * smh + col * sml, mask=elig, other=0)
+            ok = ok | ((m != 0) if MASK_BOOL else (m.to(tl.float32) > min_half))
+        elig = elig & ok
+    if KIND == 0:
+        s = tl.load(scores_row + offs * ssn, mask=elig, other=0.0).to(tl.float32)
+        elig = elig & (s == s) & (s > float("-inf"))
+        key = float_key16(s)
+    elif KIND == 1:
+        key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 1
     else:
-        s = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.float32)
-        bits = s.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        elig = elig & (key > KEY_NEGINF) & (s == s)  # -inf and NaN are never chosen
-    return tl.where(elig, key, KEY_NONE), cand
+        key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 129
+    key = tl.where(elig, key, 0)
+    tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
+    return acc + tl.histogram(key >> (16 - LB), 1 << LB, mask=elig)
 
 
 @triton.jit
-def _bit_length(x):
-    """Bits needed for x (int64, >= 0; negative -> 0), by halving (no clz in the interpreter)."""
-    n = tl.zeros([], tl.int64)
-    for i in tl.static_range(6):
-        step = 32 >> i
-        big = (x >> step) > 0
-        n += tl.where(big, step, 0)
-        x = tl.where(big, x >> step, x)
-    return n + (x > 0).to(tl.int64)
-
-
-@triton.jit
-def _path(st, hist_ptr, r, R, K, DONE: tl.constexpr, U8: tl.constexpr):
-    """(lo, width bits, taken above, need) of row r after the first DONE levels' thresholds."""
-    if U8:
-        lo = tl.zeros([], tl.int64)
-        wb = tl.full([], 8, tl.int64)
-    else:
-        lo = tl.load(st + 0)
-        wb = _bit_length(tl.load(st + 1) - lo)
-    need = tl.minimum(tl.load(st + 2), K)
-    above = tl.zeros([], tl.int64)
-    i = tl.arange(0, NB)
-    for lvl in tl.static_range(DONE):
-        s = tl.maximum(wb - 8, 0)
-        rev = tl.load(hist_ptr + (lvl * R + r) * NB + (i * -1 + (NB - 1))).to(tl.int64)  # top bin first
-        ge = tl.cumsum(rev, axis=0)
-        first = tl.min(tl.where(above + ge >= need, i, NB), axis=0)
-        live = (wb > 0) & (first < NB)
-        above = tl.where(live, above + tl.sum(tl.where(i < first, rev, 0), axis=0), above)
-        lo = tl.where(live, lo + ((first.to(tl.int64) * -1 + (NB - 1)) << s), lo)
-        wb = tl.where(wb > 0, s, wb)
-    return lo, wb, above, need
-
-
-@triton.jit
-def _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb):
+def _score_keys_kernel(
+    scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr,
+    Hkv, N, L, sink, local, min_half, PROGS,
+    ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
+    BLOCK: tl.constexpr,
+    LB: tl.constexpr,  # bits per radix level: 2^LB histogram bins (16-bit keys: 16 / LB levels)
+    HAS_POS: tl.constexpr,  # candidates are positions[b, h, :] (a Prism pool) instead of cache slots 0..N-1
+    HAS_START: tl.constexpr,  # per-batch first real position (left padding): the sink starts there
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    MASK_HEADS: tl.constexpr,  # mask heads per KV head (G for a per-head mask, else 1)
+    KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8
+    USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
+):
+    p = tl.program_id(0)
     r = tl.program_id(1)
     b = (r // Hkv).to(tl.int64)
     h = (r % Hkv).to(tl.int64)
-    now = tl.load(tpos_ptr).to(tl.int64)  # the launcher passes the last cache position alone
-    return r, b, h, now, scores_ptr + b * ssb + h * ssh, pos_ptr + b * spb + h * sph, mask_ptr + b * smb
-
-
-# ------------------------------------------------------------------------------ kernels
-@triton.jit
-def _minmax_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml, hi, lo, n,
-                  HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-                  MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr):
-    key, _ = _keys(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-                   HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
-    live = key != KEY_NONE
-    return tl.maximum(hi, key), tl.minimum(lo, tl.where(live, key, 2**31 - 1)), n + live.to(tl.int32)
-
-
-@triton.jit
-def _minmax_kernel(
-    scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr,
-    Hkv, N, L, sink, local, min_half, PROGS,
-    ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
-    BLOCK: tl.constexpr, HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr,
-    USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
-):
-    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
-    hi = tl.full([BLOCK], KEY_NONE, tl.int32)
-    lo = tl.full([BLOCK], 2**31 - 1, tl.int32)
-    n = tl.zeros([BLOCK], tl.int32)
+    now = tl.load(tpos_ptr).to(tl.int64)
+    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
+    lo_c, hi_c = row_range(now, first, N, sink, local, HAS_POS)
+    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    scores_row = scores_ptr + b * ssb + h * ssh
+    pos_row = pos_ptr + b * spb + h * sph
+    mask_b = mask_ptr + b * smb
+    keys_row = keys_ptr + r.to(tl.int64) * N
     base = tl.arange(0, BLOCK)
+    acc = tl.zeros([1 << LB], tl.int32)
     if USE_FOR:
-        for start in tl.range(tl.program_id(0) * BLOCK, N, PROGS * BLOCK):
-            hi, lo, n = _minmax_block(srow, prow, mrow, h, start + base, N, L, now, sink, local, min_half, ssn, spn,
-                                      smh, sml, hi, lo, n, HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
+        for i in tl.range(blk, end):
+            acc = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first, now,
+                                    sink, local, L, min_half, ssn, spn, smh, sml, acc,
+                                    HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
     else:
-        start = tl.program_id(0) * BLOCK
-        while start < N:
-            hi, lo, n = _minmax_block(srow, prow, mrow, h, start + base, N, L, now, sink, local, min_half, ssn, spn,
-                                      smh, sml, hi, lo, n, HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
-            start += PROGS * BLOCK
-    st = state_ptr + r * STATE
-    tl.atomic_min(st + 0, tl.min(lo, axis=0).to(tl.int64), sem="relaxed")
-    tl.atomic_max(st + 1, tl.max(hi, axis=0).to(tl.int64), sem="relaxed")
-    tl.atomic_add(st + 2, tl.sum(n, axis=0).to(tl.int64), sem="relaxed")
+        while blk < end:
+            acc = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first, now,
+                                    sink, local, L, min_half, ssn, spn, smh, sml, acc,
+                                    HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
+            blk += 1
+    tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))
 
 
-@triton.jit
-def _hist_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml, lo, wb, s, acc, n,
-                HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-                MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr):
-    key, _ = _keys(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-                   HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
-    rel = key.to(tl.int64) - lo
-    live = (key != KEY_NONE) & (rel >= 0) & ((rel >> wb) == 0)  # inside the current range
-    acc += tl.histogram(tl.where(live, rel >> s, 0).to(tl.int32), NB, mask=live)
-    return acc, n + (key != KEY_NONE).to(tl.int32)
-
-
+# ------------------------------------------------------------------------------ deeper levels
 @triton.jit
 def _hist_kernel(
-    scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr, hist_ptr,
-    Hkv, N, L, sink, local, min_half, PROGS, R, K,
-    ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
-    LEVEL: tl.constexpr,  # 0-based; the thresholds of levels < LEVEL come from their histograms
-    BLOCK: tl.constexpr, HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr,
-    U8: tl.constexpr,  # uint8 keys: one exact level, which also counts the eligible candidates
-    USE_FOR: tl.constexpr,
+    tpos_ptr, start_ptr, keys_ptr, cum_ptr,
+    Hkv, N, sink, local, K, PROGS,
+    LEVEL: tl.constexpr,  # this level's digit; the levels above come from their counts in `cum`
+    KEY_BITS: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr, P_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_START: tl.constexpr, USE_FOR: tl.constexpr,
 ):
-    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
-    st = state_ptr + r * STATE
-    lo, wb, above, need = _path(st, hist_ptr, r, R, K, LEVEL, U8)
-    if (wb > 0) & ((LEVEL == 0) | (need > above)):
-        s = tl.maximum(wb - 8, 0)
-        acc = tl.zeros([NB], tl.int32)
-        n = tl.zeros([BLOCK], tl.int32)
-        base = tl.arange(0, BLOCK)
-        if USE_FOR:
-            for start in tl.range(tl.program_id(0) * BLOCK, N, PROGS * BLOCK):
-                acc, n = _hist_block(srow, prow, mrow, h, start + base, N, L, now, sink, local, min_half, ssn, spn, smh,
-                                     sml, lo, wb, s, acc, n, HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
-        else:
-            start = tl.program_id(0) * BLOCK
-            while start < N:
-                acc, n = _hist_block(srow, prow, mrow, h, start + base, N, L, now, sink, local, min_half, ssn, spn, smh,
-                                     sml, lo, wb, s, acc, n, HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
-                start += PROGS * BLOCK
-        tl.atomic_add(hist_ptr + (LEVEL * R + r) * NB + tl.arange(0, NB), acc, mask=acc > 0, sem="relaxed")
-        if U8:
-            tl.atomic_add(st + 2, tl.sum(n, axis=0).to(tl.int64), sem="relaxed")
+    p = tl.program_id(0)
+    r = tl.program_id(1)
+    R = tl.num_programs(1)
+    b = (r // Hkv).to(tl.int64)
+    now = tl.load(tpos_ptr).to(tl.int64)
+    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
+    lo_c, hi_c = row_range(now, first, N, sink, local, HAS_POS)
+    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    prefix, _, _, _, _, _ = descend(cum_ptr, r, p, R, PROGS, K, LEVEL, LB, P_PAD)
+    keys_row = keys_ptr + r.to(tl.int64) * N
+    base = tl.arange(0, BLOCK)
+    NB: tl.constexpr = 1 << LB
+    SHIFT: tl.constexpr = KEY_BITS - (LEVEL + 1) * LB
+    acc = tl.zeros([NB], tl.int32)
+    if USE_FOR:
+        for j in tl.range(blk, end):
+            offs = j * BLOCK + base
+            key = tl.load(keys_row + offs, mask=(offs >= lo_c) & (offs < hi_c), other=0).to(tl.int32) & 0xFFFF
+            acc += tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=(key > 0) & ((key >> (SHIFT + LB)) == prefix))
+    else:
+        while blk < end:
+            offs = blk * BLOCK + base
+            key = tl.load(keys_row + offs, mask=(offs >= lo_c) & (offs < hi_c), other=0).to(tl.int32) & 0xFFFF
+            acc += tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=(key > 0) & ((key >> (SHIFT + LB)) == prefix))
+            blk += 1
+    tl.store(cum_ptr + ((LEVEL * R + r) * PROGS + p) * NB + tl.arange(0, NB), tl.cumsum(acc, 0, reverse=True))
+
+
+# ------------------------------------------------------------------------------ select pass
+@triton.jit
+def _take_block(key, cand, live, out_row, sok, thr, skip, a_run, t_run):
+    """Write the taken candidates of one block at their ranks; returns the updated running counts.
+    (`out_row` is the output pointer: written here, which is what Inductor must see.)"""
+    live = live & (key > 0)
+    above = live & (key > thr)
+    tie = live & (key == thr)
+    packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both counts
+    ex = tl.cumsum(packed, 0) - packed
+    a_ex = a_run + (ex & 0xFFFF)
+    t_ex = t_run + (ex >> 16)
+    taken = above | (tie & (t_ex >= skip))
+    slot = a_ex + tl.maximum(t_ex - skip, 0)
+    tl.store(out_row + slot.to(tl.int64) * sok, cand.to(tl.int32), mask=taken)
+    total = tl.sum(packed, 0)
+    return a_run + (total & 0xFFFF), t_run + (total >> 16)
 
 
 @triton.jit
-def _compact_block(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-                   st, out_row, sok, bkey_row, bpos_row, lo, top, above, need, CAP,
-                   HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-                   MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr, USE_BUF: tl.constexpr):
-    key, cand = _keys(srow, prow, mrow, h, offs, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-                      HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS)
-    k64 = key.to(tl.int64)
-    live = key != KEY_NONE
-    up = (live & (k64 >= top)).to(tl.int32)
-    n_up = tl.sum(up, axis=0)
-    if n_up > 0:
-        slot = tl.atomic_add(st + 3, n_up.to(tl.int64), sem="relaxed") + tl.cumsum(up, axis=0) - 1
-        tl.store(out_row + slot * sok, cand.to(tl.int32), mask=(up != 0) & (slot < need))  # (bound: memory safety)
-    tie = (live & (k64 >= lo) & (k64 < top)).to(tl.int32)
-    n_tie = tl.sum(tie, axis=0)
-    if n_tie > 0:
-        rank = tl.atomic_add(st + 4, n_tie.to(tl.int64), sem="relaxed") + tl.cumsum(tie, axis=0) - 1
-        if USE_BUF:
-            keep = (tie != 0) & (rank < CAP)
-            tl.store(bkey_row + rank, key, mask=keep)
-            tl.store(bpos_row + rank, cand.to(tl.int32), mask=keep)
-        else:
-            tl.store(out_row + (above + rank) * sok, cand.to(tl.int32), mask=(tie != 0) & (above + rank < need))
-
-
-@triton.jit
-def _compact_kernel(
-    scores_ptr, pos_ptr, tpos_ptr, mask_ptr, state_ptr, hist_ptr, out_ptr, bkey_ptr, bpos_ptr,
-    Hkv, N, L, sink, local, min_half, PROGS, R, K, WIN, CAP,
-    ssb, ssh, ssn, spb, sph, spn, smb, smh, sml, sob, soh, sok,
-    DONE: tl.constexpr,  # levels whose thresholds define the final bin
-    BLOCK: tl.constexpr, HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    MASK_HEADS: tl.constexpr, INT_KEYS: tl.constexpr, U8: tl.constexpr,
-    USE_BUF: tl.constexpr,  # final-bin candidates go to the buffer for `resolve` (keys wider than 8 bits)
-    USE_FOR: tl.constexpr,
+def _select_kernel(
+    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr,
+    Hkv, N, L, sink, local, K, min_half, PROGS,
+    spb, sph, spn, smb, smh, sml, sob, soh, sok,
+    BLOCK: tl.constexpr, P_PAD: tl.constexpr,
+    LEVELS: tl.constexpr, LB: tl.constexpr,  # KEY_BITS = LEVELS * LB
+    HAS_POS: tl.constexpr, HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    MASK_HEADS: tl.constexpr, USE_FOR: tl.constexpr,
 ):
-    r, b, h, now, srow, prow, mrow = _row_setup(tpos_ptr, Hkv, scores_ptr, pos_ptr, mask_ptr, ssb, ssh, spb, sph, smb)
-    st = state_ptr + r * STATE
-    lo, wb, above, need = _path(st, hist_ptr, r, R, K, DONE, U8)
-    lo = tl.where(need > 0, lo, 2**40)  # nothing to take: no key reaches the final bin
-    top = lo + (tl.full([], 1, tl.int64) << wb)  # keys >= top lie above the final bin
+    p = tl.program_id(0)
+    r = tl.program_id(1)
+    R = tl.num_programs(1)
+    b = (r // Hkv).to(tl.int64)
+    h = (r % Hkv).to(tl.int64)
+    now = tl.load(tpos_ptr).to(tl.int64)
+    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
+    lo_c, hi_c = row_range(now, first, N, sink, local, HAS_POS)
+    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    # the threshold key, the counts above it and tied with it, and this chunk's share before it
+    thr, need, above, a_run, ties, t_run = descend(cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
+    thr = tl.where(need > 0, thr, 1 << 20)  # nothing to take: no key reaches it
+    skip = ties - (need - above)  # ties passed over before the taken ones (the most recent are taken)
+
     row = out_ptr + b * sob + h * soh
-    out_row = row + WIN * sok
-    bkey_row = bkey_ptr + r.to(tl.int64) * CAP
-    bpos_row = bpos_ptr + r.to(tl.int64) * CAP
+    out_row = row + (sink + local) * sok
+    keys_row = keys_ptr + r.to(tl.int64) * N
+    pos_row = pos_ptr + b * spb + h * sph
     base = tl.arange(0, BLOCK)
     if USE_FOR:
-        for start in tl.range(tl.program_id(0) * BLOCK, N, PROGS * BLOCK):
-            _compact_block(srow, prow, mrow, h, start + base, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-                           st, out_row, sok, bkey_row, bpos_row, lo, top, above, need, CAP,
-                           HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS, USE_BUF)
+        for jb in tl.range(blk, end):
+            offs = jb * BLOCK + base
+            live = (offs >= lo_c) & (offs < hi_c)
+            key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
+            if HAS_POS:
+                cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1)
+            else:
+                cand = offs
+            a_run, t_run = _take_block(key, cand, live, out_row, sok, thr, skip, a_run, t_run)
     else:
-        start = tl.program_id(0) * BLOCK
-        while start < N:
-            _compact_block(srow, prow, mrow, h, start + base, N, L, now, sink, local, min_half, ssn, spn, smh, sml,
-                           st, out_row, sok, bkey_row, bpos_row, lo, top, above, need, CAP,
-                           HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, INT_KEYS, USE_BUF)
-            start += PROGS * BLOCK
-    if tl.program_id(0) == 0:  # window (reference order: sink, then now-local+1 .. now) and padding
+        while blk < end:
+            offs = blk * BLOCK + base
+            live = (offs >= lo_c) & (offs < hi_c)
+            key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
+            if HAS_POS:
+                cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1)
+            else:
+                cand = offs
+            a_run, t_run = _take_block(key, cand, live, out_row, sok, thr, skip, a_run, t_run)
+            blk += 1
+
+    if p == 0:  # the window (reference order: sink, then now-local+1 .. now) and the padding
+        WIN = sink + local
+        mask_b = mask_ptr + b * smb
         w0 = 0
         while w0 < WIN:
-            j = w0 + tl.arange(0, WIN_BLOCK)
-            in_sink = j < sink
-            p = tl.where(in_sink, j.to(tl.int64), now - local + 1 + (j - sink))
-            ok = (j < WIN) & (p >= 0) & (p <= now) & (in_sink | (p >= sink))
+            jw = w0 + tl.arange(0, WIN_BLOCK)
+            in_sink = jw < sink
+            q = tl.where(in_sink, first + jw, now - local + 1 + (jw - sink))
+            ok = (jw < WIN) & (q >= 0) & (q <= now) & (in_sink | (q >= first + sink))
             if HAS_MASK:
-                ok = mask_readable(mrow, 0, h, tl.minimum(tl.maximum(p, 0), L - 1), ok, 0, smh, sml,
-                                   min_half, MASK_HEADS, MASK_BOOL)
-            tl.store(row + j * sok, tl.where(ok, p, -1).to(tl.int32), mask=j < WIN)
+                col = tl.minimum(tl.maximum(q, 0), L - 1)
+                seen = q < 0
+                for g in tl.static_range(MASK_HEADS):
+                    m = tl.load(mask_b + (h * MASK_HEADS + g) * smh + col * sml, mask=ok, other=0)
+                    seen = seen | ((m != 0) if MASK_BOOL else (m.to(tl.float32) > min_half))
+                ok = ok & seen
+            tl.store(row + jw * sok, tl.where(ok, q, -1).to(tl.int32), mask=jw < WIN)
             w0 += WIN_BLOCK
-        p0 = need
+        p0 = tl.maximum(need, 0)
         while p0 < K:
-            j = p0 + tl.arange(0, WIN_BLOCK)
-            tl.store(out_row + j * sok, tl.full([WIN_BLOCK], -1, tl.int32), mask=j < K)
+            jp = p0 + tl.arange(0, WIN_BLOCK)
+            tl.store(out_row + jp * sok, tl.full([WIN_BLOCK], -1, tl.int32), mask=jp < K)
             p0 += WIN_BLOCK
 
 
-@triton.jit
-def _resolve_kernel(
-    state_ptr, hist_ptr, out_ptr, bkey_ptr, bpos_ptr, Hkv, R, K, WIN, CAP, sob, soh, sok,
-    DONE: tl.constexpr, CAP_P2: tl.constexpr,
-):
-    """One program per row: the best `need - above` final-bin candidates, exactly (a descending
-    sort of (key, buffer slot) pairs); by arrival when the bin overflowed the buffer."""
-    r = tl.program_id(0)
-    st = state_ptr + r * STATE
-    lo, wb, above, need = _path(st, hist_ptr, r, R, K, DONE, False)
-    m = need - above
-    n = tl.load(st + 4)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
-    out_row = out_ptr + b * sob + h * soh + WIN * sok
-    if m > 0:
-        i = tl.arange(0, CAP_P2)
-        live = i < tl.minimum(n, CAP)
-        key = tl.load(bkey_ptr + r.to(tl.int64) * CAP + i, mask=live, other=KEY_NONE)
-        if n <= CAP:
-            packed = (key.to(tl.int64) << 32) | (i.to(tl.int64) * -1 + (CAP_P2 - 1))  # equal keys: earlier slot first
-            order = tl.sort(packed, descending=True)
-            take = (order & 0xFFFFFFFF).to(tl.int32) * -1 + (CAP_P2 - 1)
-        else:
-            take = i
-        p = tl.load(bpos_ptr + r.to(tl.int64) * CAP + take, mask=(i < m) & (take < tl.minimum(n, CAP)), other=-1)
-        tl.store(out_row + (above + i) * sok, p, mask=i < m)
-
-
-# ------------------------------------------------------------------------------ launcher
-def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None) -> bool:
+# ------------------------------------------------------------------------------ launchers
+def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None, start=None) -> bool:
     return (
-        on_kernel_device(scores, pos, mask, positions)
+        on_kernel_device(scores, pos, mask, positions, start)
         and scores.dim() == 3
-        and scores.dtype in SCORE_DTYPES
+        and scores.dtype in SCORE_KIND
         and pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point() and pos.dtype != torch.bool
         and k > 0 and sink >= 0 and local >= 0
         and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
         and (positions is None or (positions.shape == scores.shape and not positions.is_floating_point()
                                    and positions.dtype != torch.bool))
+        and (start is None or (start.dim() == 1 and start.shape[0] == scores.shape[0] and not start.is_floating_point()))
         and scores.shape[-1] < 2**31 - 2 * (k + sink + local)
     )
 
 
-def select_topk(scores, pos, k, sink, local, mask=None, positions=None):
-    """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded."""
+def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int = STREAM_WAVES) -> int:
+    """Programs per row: enough rows x programs for `waves` per SM, at most one per block."""
+    return min(MAX_PROGS, programs_per_row(R, triton.cdiv(max(N, 1), block), device, waves=waves))
+
+
+def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps):
+    """The deeper histogram levels and the select pass over the keys (and level-0 counts in
+    `cum`) a key pass wrote, with the same `block` and `progs`: every pass cuts the same chunks."""
+    B, Hkv, _ = out.shape
+    R, N = keys.shape
+    has_pos, has_start = positions is not None, start is not None
+    pos_t = positions if has_pos else keys
+    sp = positions.stride() if has_pos else (0, 0, 0)
+    start_t = start if has_start else pos
+    L = ma.tensor.shape[-1] if ma.present else 1
+    levels = key_bits // lb
+    common = dict(BLOCK=block, P_PAD=pow2(progs), LB=lb, HAS_POS=has_pos, HAS_START=has_start,
+                  USE_FOR=not interpreting(), num_warps=warps)
+    for level in range(1, levels):
+        torch.library.wrap_triton(_hist_kernel)[(progs, R)](
+            pos, start_t, keys, cum, Hkv, N, sink, local, k, progs, LEVEL=level, KEY_BITS=key_bits, **common)
+    torch.library.wrap_triton(_select_kernel)[(progs, R)](
+        pos, start_t, pos_t, ma.tensor, keys, cum, out,
+        Hkv, N, L, sink, local, k, ma.min_half, progs,
+        *sp, ma.sb, ma.sh, ma.sl, *out.stride(),
+        LEVELS=levels, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, **common)
+    return out
+
+
+def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, block=BLOCK, warps=4,
+                waves=WAVES, level_bits=LEVEL_BITS):
+    """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded.
+    block / warps / waves (programs per SM) are tuning knobs (bench/kernel_tuning.py)."""
     B, Hkv, N = scores.shape
     R = B * Hkv
     dev = scores.device
-    WIN = sink + local
-    out = torch.empty(B, Hkv, WIN + k, dtype=torch.int32, device=dev)
+    out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     if R == 0:
         return out
-    u8 = scores.dtype == torch.uint8
-    levels = 1 if u8 else LEVELS
-    state = torch.zeros(R, STATE.value, dtype=torch.int64, device=dev)
-    if not u8:
-        state[:, 0] = 2**31 - 1  # kmin starts high, kmax low
-        state[:, 1] = -(2**31)
-    hist = torch.zeros(levels, R, NB.value, dtype=torch.int32, device=dev)
-    cap = 1 if u8 else BUF
-    bkey = torch.empty(R, cap, dtype=torch.int32, device=dev)
-    bpos = torch.empty(R, cap, dtype=torch.int32, device=dev)
-    # Inductor's analysis of what a user kernel writes counts every pointer passed to a helper whose
-    # result feeds a store address as written; these kernels do that, so they get private copies of
-    # their small inputs: no graph input (cache position, mask) or view (a Prism pool) is then
-    # functionalised as mutated, which would copy it back, skip CUDA graphs, or alias a stale view.
-    pos = pos[-1:].clone()
-    if mask is not None and mask.dtype != torch.bool:  # (bool masks are copied by MaskArgs)
-        mask = mask.clone()
-    ma = MaskArgs(mask, Hkv, scores)
-    L = mask.shape[-1] if mask is not None else 1
-    has_pos = positions is not None
-    if has_pos:
-        positions = positions.clone(memory_format=torch.contiguous_format)
+    pos = pos[-1:]
+    progs = plan_programs(R, N, dev, block, waves)
+    keys = torch.empty(R, N, dtype=torch.int16, device=dev)
+    cum = torch.empty(16 // level_bits, R, progs, 1 << level_bits, dtype=torch.int32, device=dev)
+    ma = MaskView(mask, Hkv, scores)
+    has_pos, has_start = positions is not None, start is not None
     pos_t = positions if has_pos else scores
     sp = positions.stride() if has_pos else (0, 0, 0)
-    block = BLOCK_U8 if u8 else BLOCK_WIDE
-    progs = programs_per_row(R, triton.cdiv(N, block), dev, waves=STREAM_WAVES)
-    flags = dict(HAS_POS=has_pos, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
-                 INT_KEYS=not scores.is_floating_point(), BLOCK=block, USE_FOR=not interpreting(),
-                 num_warps=8 if u8 else 4, num_stages=STREAM_STAGES)
-    row = (Hkv, N, L, sink, local, ma.min_half, progs)
-    strides = (*scores.stride(), *sp, ma.sb, ma.sh, ma.sl)
-    head = (scores, pos_t, pos, ma.tensor, state)
-    wt = torch.library.wrap_triton
-    if not u8:
-        wt(_minmax_kernel)[(progs, R)](*head, *row, *strides, **flags)
-    for level in range(levels):
-        wt(_hist_kernel)[(progs, R)](*head, hist, *row, R, k, *strides, LEVEL=level, U8=u8, **flags)
-    wt(_compact_kernel)[(progs, R)](
-        *head, hist, out, bkey, bpos, *row, R, k, WIN, cap, *strides, *out.stride(),
-        DONE=levels, U8=u8, USE_BUF=not u8, **flags,
+    L = mask.shape[-1] if mask is not None else 1
+    torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
+        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum,
+        Hkv, N, L, sink, local, ma.min_half, progs,
+        *scores.stride(), *sp, ma.sb, ma.sh, ma.sl,
+        BLOCK=block, LB=level_bits, HAS_POS=has_pos, HAS_START=has_start, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool,
+        MASK_HEADS=ma.heads, KIND=SCORE_KIND[scores.dtype], USE_FOR=not interpreting(),
+        num_warps=warps,
     )
-    if not u8:
-        wt(_resolve_kernel)[(R,)](state, hist, out, bkey, bpos, Hkv, R, k, WIN, cap, *out.stride(),
-                                  DONE=levels, CAP_P2=pow2(cap), num_warps=4)
-    return out
+    return run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps)
+
+
+def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start=None) -> bool:
+    if not on_kernel_device(q_logits, k_sig, pos, mask, start):
+        return False
+    if q_logits.dim() != 3 or k_sig.dim() != 4 or k_sig.dtype != torch.int32 or q_logits.dtype not in FLOAT_DTYPES:
+        return False
+    B, Hq, bits = q_logits.shape
+    W = k_sig.shape[3]
+    return (
+        bits == 32 * W and 1 <= W <= 8
+        and k_sig.shape[0] == B and Hq % k_sig.shape[1] == 0
+        and (Hq // k_sig.shape[1]) * 32 * W < 65535
+        and pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point() and pos.dtype != torch.bool
+        and k > 0 and sink >= 0 and local >= 0
+        and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
+        and (start is None or (start.dim() == 1 and start.shape[0] == B and not start.is_floating_point()))
+        and k_sig.shape[2] < 2**31 - 2 * (k + sink + local)
+    )
+
+
+def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=HASH_BLOCK, warps=4,
+                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS):
+    """reference.hash_select: Hamming keys fused with the first selection pass, then select."""
+    from .signatures import _hash_keys_kernel
+
+    B, Hq, _ = q_logits.shape
+    Hkv, N, W = k_sig.shape[1], k_sig.shape[2], k_sig.shape[3]
+    G = Hq // Hkv
+    R = B * Hkv
+    dev = k_sig.device
+    out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
+    if R == 0:
+        return out
+    key_bits = 16 if G * 32 * W + 1 > 255 else 8  # similarity + 1
+    pos = pos[-1:]
+    progs = plan_programs(R, N, dev, block, waves)
+    keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
+    cum = torch.empty(key_bits // level_bits, R, progs, 1 << level_bits, dtype=torch.int32, device=dev)
+    ma = MaskView(mask, Hkv, k_sig)
+    L = mask.shape[-1] if mask is not None else 1
+    torch.library.wrap_triton(_hash_keys_kernel)[(progs, R)](
+        q_logits, k_sig, pos, start if start is not None else pos, ma.tensor, keys, cum,
+        Hkv, N, L, sink, local, k, ma.min_half, progs,
+        *q_logits.stride(), *k_sig.stride(), ma.sb, ma.sh, ma.sl,
+        G=G, G_PAD=pow2(G), W=W, W_PAD=pow2(W), KEY_BITS=key_bits, LB=level_bits, BLOCK=block,
+        HAS_START=start is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
+        HW_POPC=not interpreting(), USE_FOR=not interpreting(),
+        num_warps=warps,
+    )
+    return run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps)

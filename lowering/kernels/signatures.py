@@ -10,9 +10,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..reference import WORD_BITS, hamming_dtype
-from .common import FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, on_kernel_device, pow2, programs_per_row
+from .common import (
+    FLOAT_DTYPES,
+    STREAM_STAGES,
+    STREAM_WAVES,
+    chunk_of,
+    interpreting,
+    on_kernel_device,
+    pow2,
+    programs_per_row,
+)
 
 
 # ------------------------------------------------------------------------------ packing
@@ -48,29 +58,6 @@ def _pack_kernel(
     else:
         row = t.to(tl.int64)
     tl.store(out_ptr + b * sob + h * soh + row * sot + w * sow, word, mask=live)
-
-
-@triton.jit
-def _clear_after_kernel(
-    t_ptr, pos_ptr,
-    H, L, C, T,
-    stb, sth, stl, stc,
-    spt,
-    BLOCK: tl.constexpr,  # (slot, column) elements per program
-):
-    """t[:, :, l] = 0 for every slot l > pos[-1], when pos[0] == 0 (a prefill that starts a sequence)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    first = tl.load(pos_ptr)
-    last = tl.load(pos_ptr + (T - 1) * spt)
-    e = pid * BLOCK + tl.arange(0, BLOCK)
-    slot = e // C
-    col = e % C
-    stale = (e < L * C) & (slot > last) & (first == 0)
-    zero = tl.zeros([BLOCK], dtype=t_ptr.dtype.element_ty)
-    tl.store(t_ptr + b * stb + h * sth + slot.to(tl.int64) * stl + col * stc, zero, mask=stale)
 
 
 def _pack_block(items: int) -> int:
@@ -119,21 +106,8 @@ def signature_write_supported(cache: torch.Tensor, logits: torch.Tensor, pos: to
     )
 
 
-def clear_after(t: torch.Tensor, pos: torch.Tensor) -> None:
-    """Zero t[:, :, l] (t is [B, H, L, C]) for l > pos[-1] when pos[0] == 0 (reference._clear_after)."""
-    B, H, L, C = t.shape
-    T = pos.shape[0]
-    if B * H * L * C == 0 or T == 0:
-        return
-    BLOCK = 1024
-    grid = (triton.cdiv(L * C, BLOCK), B * H)
-    torch.library.wrap_triton(_clear_after_kernel)[grid](
-        t, pos, H, L, C, T, *t.stride(), pos.stride(0), BLOCK=BLOCK,
-    )
-
-
-def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor, reset: bool = False) -> None:
-    """cache[:, :, pos] = pack_signs(logits) in one fused kernel; with `reset`, clear after pos[-1]."""
+def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor) -> None:
+    """cache[:, :, pos] = pack_signs(logits) in one fused kernel."""
     B, H, T, _ = logits.shape
     W = cache.shape[3]
     if B * H * T * W > 0:
@@ -147,8 +121,6 @@ def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor
             pos.stride(0),
             HAS_POS=True, BLOCK=BLOCK,
         )
-    if reset:
-        clear_after(cache, pos)
 
 
 # ------------------------------------------------------------------------------ Hamming
@@ -247,3 +219,104 @@ def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
         num_warps=4, num_stages=STREAM_STAGES,
     )
     return out
+
+
+# ------------------------------------------------------------------------------ hash_select keys
+@triton.jit
+def _popcount(x, HW_POPC: tl.constexpr):
+    """Bits set in each int32 (the hardware instruction on the GPU, SWAR in the interpreter)."""
+    if HW_POPC:
+        return libdevice.popc(x)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    y = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
+    return (y & 0xFFFF) + (y >> 16)
+
+
+@triton.jit
+def _hash_keys_block(
+    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, L, min_half, scored,
+    skl, skw, smh, sml, qall, acc,
+    G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, KEY_BITS: tl.constexpr,
+    LB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
+    HW_POPC: tl.constexpr,
+):
+    live = (offs >= lo_c) & (offs < hi_c)
+    cand = offs.to(tl.int64)
+    elig = live & (cand >= first + sink) & (cand <= now - local)
+    if HAS_MASK:
+        col = tl.minimum(tl.maximum(cand, 0), L - 1)
+        ok = cand < 0
+        for g in tl.static_range(MASK_HEADS):
+            m = tl.load(mask_b + (h * MASK_HEADS + g) * smh + col * sml, mask=elig, other=0)
+            ok = ok | ((m != 0) if MASK_BOOL else (m.to(tl.float32) > min_half))
+        elig = elig & ok
+    gi = tl.arange(0, G_PAD)
+    wi = tl.arange(0, W_PAD)
+    dist = tl.zeros(offs.shape, tl.int32)
+    for w in tl.static_range(W):
+        kw = tl.load(k_row + cand * skl + w * skw, mask=elig & scored, other=0)
+        qw = tl.sum(tl.where(wi[:, None] == w, qall, 0), axis=0)  # [G_PAD] query words
+        pc = _popcount(kw[:, None] ^ qw[None, :], HW_POPC)
+        dist += tl.sum(tl.where(gi[None, :] < G, pc, 0), axis=1)
+    key = tl.where(scored, G * W * 32 - dist + 1, 1)  # nothing to rank when all are taken
+    key = tl.where(elig, key, 0)
+    tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
+    return acc + tl.histogram(key >> (KEY_BITS - LB), 1 << LB, mask=elig)
+
+
+@triton.jit
+def _hash_keys_kernel(
+    q_ptr, k_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr,
+    Hkv, N, L, sink, local, K, min_half, PROGS,
+    sqb, sqh, sqd, skb, skh, skl, skw, smb, smh, sml,
+    G: tl.constexpr,  # query heads per KV head: their G query words are scored against each key word in registers
+    G_PAD: tl.constexpr,
+    W: tl.constexpr,  # words per signature: unrolled
+    W_PAD: tl.constexpr,
+    KEY_BITS: tl.constexpr,  # 8, or 16 when similarities exceed 254
+    LB: tl.constexpr,  # bits per radix level (this pass counts the top LB bits)
+    BLOCK: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
+    HW_POPC: tl.constexpr,  # the popc instruction (GPU); SWAR under the interpreter
+    USE_FOR: tl.constexpr,
+):
+    """Key pass of hash_select: pack the query signs, score the chunk's keys by Hamming similarity
+    summed over the KV head's query heads, key = similarity + 1 (0: not a candidate)."""
+    p = tl.program_id(0)
+    r = tl.program_id(1)
+    b = (r // Hkv).to(tl.int64)
+    h = (r % Hkv).to(tl.int64)
+    now = tl.load(tpos_ptr).to(tl.int64)
+    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
+    lo_c = first + sink
+    hi_c = tl.minimum(now - local + 1, N)
+    scored = (hi_c - lo_c) > K
+    gi = tl.arange(0, G_PAD)
+    wi = tl.arange(0, W_PAD)
+    j = tl.arange(0, 32)
+    qall = tl.zeros([W_PAD, G_PAD], tl.int32)
+    for w in tl.static_range(W):
+        x = tl.load(q_ptr + b * sqb + (h * G + gi)[:, None] * sqh + (w * 32 + j)[None, :] * sqd,
+                    mask=(gi < G)[:, None], other=0.0)
+        word = tl.sum((x > 0).to(tl.int32) << j[None, :], axis=1)  # distinct bits: the sum is the OR
+        qall = tl.where(wi[:, None] == w, word[None, :], qall)
+    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    k_row = k_ptr + b * skb + h * skh
+    mask_b = mask_ptr + b * smb
+    keys_row = keys_ptr + r.to(tl.int64) * N
+    base = tl.arange(0, BLOCK)
+    acc = tl.zeros([1 << LB], tl.int32)
+    if USE_FOR:
+        for i in tl.range(blk, end):
+            acc = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first, now, sink, local,
+                                   L, min_half, scored, skl, skw, smh, sml, qall, acc,
+                                   G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
+    else:
+        while blk < end:
+            acc = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first, now, sink, local,
+                                   L, min_half, scored, skl, skw, smh, sml, qall, acc,
+                                   G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
+            blk += 1
+    tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))

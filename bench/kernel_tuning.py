@@ -1,0 +1,326 @@
+#!/usr/bin/env python
+"""Launch-knob sweep of the decode-step kernels on one GPU, checked against the reference first.
+
+For each kernel (hash_select, select_topk over float scores, int2_scores, sparse_decode_attention)
+and each shape (context x batch; Hq=32, Hkv=8, D=128, bf16, budget 4096 + 128 + 128, pool 4 x
+4096) it times every configuration of its launch knobs by CUDA-graph replay over 4 distinct layers
+(so replays do not find the last layer's data in L2), and reports the best with its bytes and the
+fraction of the measured copy bandwidth. With --baseline DIR (a copy of an older `lowering`
+package, e.g. `git archive <rev> lowering`), the older kernels run in the same process for an A/B.
+
+    python bench/kernel_tuning.py --out DIR                    # H200: about 6 minutes
+    python bench/kernel_tuning.py --contexts 32768 --batches 1 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HQ, HKV, D, SINK, LOCAL, BUDGET, RHO = 32, 8, 128, 128, 128, 4096, 4
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="two configurations per kernel")
+    p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
+    p.add_argument("--out", default="bench/results")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from sparse_fx.lowering import reference as ref  # noqa: E402
+from sparse_fx.lowering.kernels import gather_attention as A  # noqa: E402
+from sparse_fx.lowering.kernels import int2 as I  # noqa: E402
+from sparse_fx.lowering.kernels import select as S  # noqa: E402
+from sparse_fx.lowering.kernels import signatures as SG  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def time_graph(fn, target_ms: float = 30.0, windows: int = 3) -> float:
+    """Median ms of one fn() call, from CUDA-graph replays."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    g.replay()
+    e1.record()
+    e1.synchronize()
+    n = max(3, min(400, int(target_ms / max(e0.elapsed_time(e1), 1e-3))))
+    times = []
+    for _ in range(windows):
+        e0.record()
+        for _ in range(n):
+            g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / n)
+    return statistics.median(times)
+
+
+def copy_gbps() -> float:
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_graph(lambda: b.copy_(a), target_ms=100)
+    return 2 * a.numel() * 2 / ms / 1e6
+
+
+class Layers:
+    """NL decode layers of one shape: q, K/V, signatures (LSH of the keys), INT2 codes, mask."""
+
+    def __init__(self, B: int, L: int, nl: int):
+        g = torch.Generator("cuda").manual_seed(B * 7919 + L)
+        bf = torch.bfloat16
+        self.B, self.L, self.nl = B, L, nl
+        self.q = [torch.randn(B, HQ, 1, D, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
+        self.qlog = [torch.randn(B, HQ, 32, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
+        self.k = [torch.randn(B, HKV, L, D, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
+        self.v = [torch.randn(B, HKV, L, D, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
+        self.mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device="cuda")
+        self.pos = torch.tensor([L - 1], device="cuda")
+        self.sig, self.int2 = [], []
+        proj = torch.randn(D, 32, device="cuda", dtype=bf, generator=g)
+        step = 1 << 15
+        for i in range(nl):
+            sig = torch.empty(B, HKV, L, 1, dtype=torch.int32, device="cuda")
+            codes = torch.empty(B, HKV, L, D // 16, dtype=torch.int32, device="cuda")
+            scale = torch.empty(B, HKV, L, D // 32, dtype=torch.float16, device="cuda")
+            zero = torch.empty_like(scale)
+            for s in range(0, L, step):
+                e = min(L, s + step)
+                p = torch.arange(s, e, device="cuda")
+                SG.signature_write(sig, self.k[i][:, :, s:e] @ proj, p)
+                I.int2_write(codes, scale, zero, self.k[i][:, :, s:e], p)
+            self.sig.append(sig)
+            self.int2.append((codes, scale, zero))
+
+
+def configs(space: dict) -> list[dict]:
+    keys = list(space)
+    out = [dict(zip(keys, vals)) for vals in itertools.product(*space.values())]
+    return out[:2] if ARGS.quick else out
+
+
+def sweep(name: str, space: dict, make, nbytes: float, copy: float, rows: list, shape: dict) -> dict:
+    """Time make(**cfg) for every configuration; record each and return the best."""
+    best = None
+    for cfg in configs(space):
+        try:
+            ms = time_graph(make(**cfg))
+        except Exception as e:  # noqa: BLE001 - a configuration the compiler rejects is skipped, noted
+            rows.append(dict(kernel=name, **shape, config=cfg, error=f"{type(e).__name__}: {str(e)[:160]}"))
+            continue
+        rec = dict(kernel=name, **shape, config=cfg, ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6,
+                   copy_fraction=nbytes / ms / 1e6 / copy)
+        rows.append(rec)
+        if best is None or ms < best["ms"]:
+            best = rec
+    print(f"  {name:<22} best {best['ms'] * 1e3:8.1f} us  {best['gbps']:6.0f} GB/s ({100 * best['copy_fraction']:3.0f}%)  "
+          f"{best['config']}", flush=True)
+    return best
+
+
+def kernel_times(fn, reps: int = 5) -> dict:
+    """Per-kernel device time of one fn() call (us), by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:60]: round(e.device_time_total / reps, 2) for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def check_correctness() -> list[str]:
+    """GPU kernels against the reference on fresh random inputs (ties, masks, left padding)."""
+    out = []
+    g = torch.Generator("cuda").manual_seed(1)
+    B, L, G = 2, 20000, 4
+    start = torch.tensor([0, 333], device="cuda", dtype=torch.int32)
+    mask = torch.rand(B, 1, 1, L, device="cuda", generator=g) > 0.1
+    mask[1, :, :, :333] = False
+    pos = torch.tensor([L - 5], device="cuda")
+    ql = torch.randn(B, HKV * G, 32, device="cuda", generator=g, dtype=torch.bfloat16)
+    ks = torch.randint(-(2**31), 2**31 - 1, (B, HKV, L, 1), device="cuda", generator=g, dtype=torch.int64).to(torch.int32)
+    for k in (64, 4096):
+        a = S.hash_select(ql, ks, pos, k, SINK, LOCAL, mask, start)
+        b = ref.hash_select(ql, ks, pos, k, SINK, LOCAL, mask, start)
+        out.append(f"hash_select k={k}: {'exact' if torch.equal(a, b) else 'MISMATCH ' + str(int((a != b).sum()))}")
+    sc = (torch.randn(B, HKV, L, device="cuda", generator=g) * 8).round() / 8
+    a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start)
+    b = ref.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start)
+    out.append(f"select_topk float ties: {'exact' if torch.equal(a, b) else 'MISMATCH ' + str(int((a != b).sum()))}")
+    pool = b[:, :, SINK + LOCAL:].contiguous()
+    ps = torch.randn(B, HKV, pool.shape[-1], device="cuda", generator=g)
+    a = S.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
+    b2 = ref.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
+    out.append(f"select_topk pool: {'exact' if torch.equal(a, b2) else 'MISMATCH ' + str(int((a != b2).sum()))}")
+    q = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    codes, s, z = ref.int2_quantize(k, 32)
+    a = I.int2_scores(q, codes, s, z, pos)
+    r = ref.int2_scores(q, codes, s, z, pos)
+    fin = torch.isfinite(r)
+    same = torch.equal(fin, torch.isfinite(a))
+    err = ((a - r)[fin].norm() / r[fin].norm()).item()
+    out.append(f"int2_scores: rel err {err:.1e}, -inf after pos {'ok' if same else 'WRONG'}")
+    idx = b
+    a = A.sparse_decode_attention(q, k, v, idx, None, mask)
+    r = ref.sparse_decode_attention(q.double(), k.double(), v.double(), idx, None, mask)
+    out.append(f"attention: rel err {((a.double() - r).norm() / r.norm()).item():.1e}")
+    return out
+
+
+def main() -> None:
+    import platform
+
+    res = dict(command="python bench/kernel_tuning.py " + " ".join(sys.argv[1:]), gpu=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+               date=time.strftime("%Y-%m-%d"), rows=[], best=[])
+    res["checks"] = check_correctness()
+    for line in res["checks"]:
+        print("check", line, flush=True)
+    copy = copy_gbps()
+    res["copy_gbps"] = copy
+    print(f"# {res['gpu']} torch {res['torch']} triton {res['triton']} copy {copy:.0f} GB/s", flush=True)
+    old = None
+    if ARGS.baseline:
+        sys.path.insert(0, ARGS.baseline)
+        old = importlib.import_module("oldlowering.kernels")
+    for L, B in itertools.product(ARGS.contexts, ARGS.batches):
+        nl = ARGS.layers
+        st = Layers(B, L, nl)
+        shape = dict(context=L, batch=B)
+        R = B * HKV
+        print(f"L={L} B={B}", flush=True)
+        best = dict(shape)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            ms = time_graph(lambda: [torch.nn.functional.scaled_dot_product_attention(st.q[i], st.k[i], st.v[i], enable_gqa=True)
+                                     for i in range(nl)]) / nl
+        kv = 2 * R * L * D * 2
+        best["dense_sdpa"] = dict(ms=ms, bytes=kv, gbps=kv / ms / 1e6, copy_fraction=kv / ms / 1e6 / copy)
+        print(f"  dense sdpa flash        {ms * 1e3:8.1f} us  {kv / ms / 1e6:6.0f} GB/s", flush=True)
+
+        def per_layer(fn):
+            return lambda: [fn(i) for i in range(nl)]
+
+        hash_bytes = R * L * (4 + 1 + 1 + 1)  # signatures, mask row, keys written and read
+        space = dict(block=[1024, 2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
+        best["hash_select"] = sweep("hash_select", space, lambda **c: per_layer(
+            lambda i: S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask, None, **c)),
+            hash_bytes * nl, copy, res["rows"], shape)
+        best["hash_select"]["ms"] /= nl
+        if old is not None:
+            def old_hash(i):
+                s = old.hamming_scores(old.pack_signs(st.qlog[i]), st.sig[i])
+                return old.select_topk(s, st.pos, BUDGET, SINK, LOCAL, st.mask)
+            ms = time_graph(per_layer(old_hash)) / nl
+            best["hash_select_old"] = dict(ms=ms)
+            print(f"  hash (previous kernels) {ms * 1e3:8.1f} us", flush=True)
+
+        scores = [I.int2_scores(st.q[i], *st.int2[i], st.pos) for i in range(nl)]
+        pool_n = RHO * BUDGET
+        sel_bytes = R * L * (4 + 1 + 2 + 2 + 2)
+        space = dict(block=[2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
+        best["select_pool"] = sweep("select_topk 128K->pool", space, lambda **c: per_layer(
+            lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
+            sel_bytes * nl, copy, res["rows"], shape)
+        best["select_pool"]["ms"] /= nl
+        if old is not None:
+            ms = time_graph(per_layer(lambda i: old.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask))) / nl
+            best["select_pool_old"] = dict(ms=ms)
+            print(f"  select (previous)       {ms * 1e3:8.1f} us", flush=True)
+        pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
+                 for i in range(nl)]
+        pscores = [torch.gather(scores[i], 2, pools[i].clamp(min=0).long()) for i in range(nl)]
+        best["select_in_pool"] = sweep("select_topk in pool", dict(block=[1024, 4096], warps=[4], waves=[4, 8], level_bits=[4, 8]),
+                                       lambda **c: per_layer(lambda i: S.select_topk(
+                                           pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
+                                       R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape)
+        best["select_in_pool"]["ms"] /= nl
+
+        int2_bytes = R * L * (D // 4 + 4 * (D // 32) + 4)
+        space = dict(block_l=[64, 128], warps=[4, 8], stages=[2, 3], variant=[0, 1])
+        best["int2_scores"] = sweep("int2_scores", space, lambda **c: per_layer(
+            lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, **c)), int2_bytes * nl, copy, res["rows"], shape)
+        best["int2_scores"]["ms"] /= nl
+        if old is not None:
+            ms = time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *st.int2[i]))) / nl
+            best["int2_scores_old"] = dict(ms=ms)
+            print(f"  int2 (previous)         {ms * 1e3:8.1f} us", flush=True)
+
+        idx = [S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask) for i in range(nl)]
+        att_bytes = R * (BUDGET + SINK + LOCAL) * (2 * D * 2 + 4)
+        space = dict(block_n=[32, 64], warps=[4], stages=[2, 3], waves=[4, 8, 16])
+        best["attention"] = sweep("sparse_decode_attention", space, lambda **c: per_layer(
+            lambda i: A.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask, **c)),
+            att_bytes * nl, copy, res["rows"], shape)
+        best["attention"]["ms"] /= nl
+        if old is not None:
+            ms = time_graph(per_layer(lambda i: old.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask))) / nl
+            best["attention_old"] = dict(ms=ms)
+            print(f"  attention (previous)    {ms * 1e3:8.1f} us", flush=True)
+        bc = {k: v["config"] for k, v in best.items() if isinstance(v, dict) and "config" in v}
+        best["profile"] = {
+            "hash_select": kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
+                                                              None, **bc["hash_select"])),
+            "select_pool": kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask, None, None,
+                                                              **bc["select_pool"])),
+            "select_in_pool": kernel_times(lambda: S.select_topk(pscores[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
+                                                                 pools[0], None, **bc["select_in_pool"])),
+            "attention": kernel_times(lambda: A.sparse_decode_attention(st.q[0], st.k[0], st.v[0], idx[0], None, st.mask,
+                                                                        **bc["attention"])),
+        }
+        for name, times in best["profile"].items():
+            print(f"  profile {name}: " + ", ".join(f"{k.split('(')[0][:28]} {v}" for k, v in times.items()), flush=True)
+        res["best"].append(best)
+        del st, scores, pools, pscores, idx
+        torch.cuda.empty_cache()
+        out = Path(ARGS.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernel-tuning.json").write_text(json.dumps(res, indent=1))
+    res["wall_s"] = time.perf_counter() - T0
+    (Path(ARGS.out) / "kernel-tuning.json").write_text(json.dumps(res, indent=1))
+    print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
+          f"{'inpool':>7} {'attn':>7} {'old':>7}   (us per layer)")
+    for b in res["best"]:
+        def us(key):
+            return f"{b[key]['ms'] * 1e3:.1f}" if key in b else "-"
+        print(f"{b['context']:>7} {b['batch']:>3} {us('dense_sdpa'):>8} {us('hash_select'):>9} {us('hash_select_old'):>7} "
+              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} "
+              f"{us('select_in_pool'):>7} {us('attention'):>7} {us('attention_old'):>7}")
+    print(f"wall {res['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
