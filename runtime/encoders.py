@@ -20,14 +20,6 @@ class HeadMLP:
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
 
-    @property
-    def heads(self) -> int:
-        return self.weights[0].shape[0]
-
-    @property
-    def out_features(self) -> int:
-        return self.weights[-1].shape[-1]
-
     def params(self) -> list[torch.Tensor | None]:
         """Flat [w0, b0, w1, b1, ...], the argument order of `apply_head_mlp`."""
         return [t for wb in zip(self.weights, self.biases) for t in wb]
@@ -78,7 +70,8 @@ FORMAT = "sparse_fx.signatures/1"
 @dataclass
 class SignatureEncoders:
     """Trained HashAttention encoders for one model: per layer, query encoders over the query
-    heads and key encoders over the KV heads; `fingerprint` names the model they were trained on."""
+    heads and key encoders over the KV heads; `fingerprint` names the model they were trained on
+    (its shapes and a digest of its weights, `sparse_fx.model_info.ModelInfo.fingerprint`)."""
 
     layers: list[LayerEncoders]
     bits: int
@@ -93,7 +86,8 @@ class SignatureEncoders:
         diff = {k: (self.fingerprint.get(k), v) for k, v in fingerprint.items() if self.fingerprint.get(k) != v}
         if diff:
             lines = ", ".join(f"{k}: trained {a!r}, model {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"sparse_fx: these signature encoders were trained for another model ({lines})")
+            raise ValueError(f"sparse_fx: these signature encoders were trained for another model ({lines}); "
+                             "train encoders for this one with sparse_fx.train_signatures(model, ...)")
 
     def save(self, path) -> None:
         """`path` (a directory): encoders.safetensors plus encoders.json (fingerprint, metadata)."""
@@ -123,18 +117,52 @@ class SignatureEncoders:
         from safetensors.torch import load_file
 
         path = Path(path)
-        if not (path / "encoders.json").exists() or not (path / "encoders.safetensors").exists():
+        if not path.is_dir():
+            raise ValueError(f"sparse_fx: encoders must be a directory holding encoders.json + encoders.safetensors "
+                             f"(sparse_fx.train_signatures(...).save(dir)); {str(path)!r} is not a directory")
+        files = [path / "encoders.json", path / "encoders.safetensors"]
+        if not all(f.exists() for f in files):
             raise ValueError(f"sparse_fx: {str(path)!r} holds no signature encoders (encoders.json + encoders.safetensors)")
-        meta = json.loads((path / "encoders.json").read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"sparse_fx: {str(path)!r} is not a {FORMAT} file")
-        tensors = load_file(str(path / "encoders.safetensors"))
-        layers = []
-        for i in range(meta["fingerprint"]["num_layers"]):
-            sides = []
-            for side in ("q", "k"):
-                n = sum(1 for name in tensors if name.startswith(f"{i}.{side}.w"))
-                sides.append(HeadMLP([tensors[f"{i}.{side}.w{j}"] for j in range(n)],
-                                     [tensors.get(f"{i}.{side}.b{j}") for j in range(n)]))
-            layers.append(LayerEncoders(query=sides[0], key=sides[1]))
+        try:
+            meta = json.loads(files[0].read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"sparse_fx: {str(files[0])!r} is not valid JSON: {e}") from None
+        fields = ("bits", "fingerprint", "metadata")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or any(f not in meta for f in fields):
+            raise ValueError(f"sparse_fx: {str(files[0])!r} is not a {FORMAT} file (needs format, {', '.join(fields)})")
+        try:
+            tensors = load_file(str(files[1]))
+            layers = []
+            for i in range(meta["fingerprint"]["num_layers"]):
+                sides = []
+                for side in ("q", "k"):
+                    n = sum(1 for name in tensors if name.startswith(f"{i}.{side}.w"))
+                    sides.append(HeadMLP([tensors[f"{i}.{side}.w{j}"] for j in range(n)],
+                                         [tensors.get(f"{i}.{side}.b{j}") for j in range(n)]))
+                layers.append(LayerEncoders(query=sides[0], key=sides[1]))
+        except (KeyError, TypeError, OSError, RuntimeError) as e:
+            raise ValueError(f"sparse_fx: {str(files[1])!r} does not hold the encoders {str(files[0])!r} describes: {e}") from None
         return cls(layers, meta["bits"], meta["fingerprint"], meta["metadata"])
+
+
+class Encoders:
+    """The signature encoders a compiled model serves, per layer: trained ones when given, else
+    seeded random projections (LSH)."""
+
+    def __init__(self, bits: int, seed: int, trained: SignatureEncoders | None = None):
+        self.bits, self.seed, self.trained = bits, seed, trained
+        self._cache: dict[tuple, LayerEncoders] = {}
+
+    @property
+    def learned(self) -> bool:
+        return self.trained is not None
+
+    def layer(self, layer: int, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerEncoders:
+        key = (layer, str(device))
+        if key not in self._cache:
+            if self.trained is not None:
+                enc = self.trained.layer(layer)
+            else:
+                enc = lsh_layer(q_heads, kv_heads, head_dim, self.bits, seed=self.seed * 100003 + layer)
+            self._cache[key] = LayerEncoders(query=enc.query.to(device), key=enc.key.to(device))
+        return self._cache[key]

@@ -17,7 +17,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from .plan import GROUPED, Plan
+from . import methods
+from .plan import Plan
 
 
 def calibrate(
@@ -46,8 +47,10 @@ def calibrate(
 
     from .api import SparseForward, attach_cache, compile, sparse_state
 
-    if method not in GROUPED:
-        raise ValueError(f"sparse_fx: calibrate chooses roles for {' or '.join(GROUPED)} plans, not {method!r}")
+    handler = methods.get(method)
+    if not handler.explicit_roles:
+        raise ValueError(f"sparse_fx: calibrate chooses proposal and refined layers; plan method {method!r} has none "
+                         "(valid: prism, static)")
     ids = _windows(texts, tokenizer, context, windows, seed)
     N, T = ids.shape
     prefill = T - steps

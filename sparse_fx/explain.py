@@ -1,12 +1,10 @@
-"""The report `sparse_fx.explain(model)` returns: one row per SDPA node, printable as a table."""
+"""What `sparse_fx.explain(model)` returns: one row per layer of the model's decode graph, with
+what became of its attention and why, printable as a table."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-from .plan import Plan
-from .state import GraphReport, ModelInfo, Row
 
 COLUMNS = (
     ("layer", "layer"),
@@ -20,17 +18,46 @@ COLUMNS = (
 
 
 @dataclass
-class Report:
-    plan: Plan
-    info: ModelInfo
-    decode: GraphReport
-    prefill: GraphReport | None
-    side_cache_bytes: int
-    traced: bool = False
+class Row:
+    """One attention (one SDPA call) of a decode graph."""
 
-    @property
-    def rows(self) -> list[Row]:
-        return self.decode.rows
+    layer: int
+    call_form: str
+    role: str
+    action: str = "dense"
+    reason: str = ""
+    budget: str = "-"
+    side_cache: str = "-"
+    side_cache_bytes: int = 0
+
+    def dense(self, reason: str) -> Row:
+        self.action, self.reason = "dense", reason
+        return self
+
+    def sparse(self) -> Row:
+        self.action, self.reason = "sparse", ""
+        return self
+
+
+@dataclass
+class GraphReport:
+    """What the rewrite did to one compiled decode graph (`shape`: its KV-cache shape)."""
+
+    rows: list[Row]
+    shape: object = None
+
+
+@dataclass
+class Report:
+    plan_name: str
+    method: str  # the method as it runs (e.g. learned or random signatures)
+    description: str
+    model_type: str
+    num_layers: int
+    rows: list[Row]
+    side_cache_bytes: int
+    notes: list[str]
+    traced: bool = False
 
     def __iter__(self):
         return iter(self.rows)
@@ -47,15 +74,9 @@ class Report:
         return [r.layer for r in self.rows if r.action != "sparse"]
 
     def to_dict(self) -> dict:
-        return {
-            "plan": self.plan.to_dict(),
-            "model_type": self.info.model_type,
-            "num_layers": self.info.num_layers,
-            "traced": self.traced,
-            "side_cache_bytes": self.side_cache_bytes,
-            "rows": [dataclasses.asdict(r) for r in self.rows],
-            "prefill_rows": [dataclasses.asdict(r) for r in self.prefill.rows] if self.prefill else [],
-        }
+        d = dataclasses.asdict(self)
+        d["rows"] = [dataclasses.asdict(r) for r in self.rows]
+        return d
 
     def __str__(self) -> str:
         cells = [[title for _, title in COLUMNS]]
@@ -68,16 +89,16 @@ class Report:
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 9)
         n_sparse = len(self.sparse_layers)
-        head = (
-            f"sparse_fx plan {self.plan.name} on {self.info.model_type} ({self.info.num_layers} layers): "
-            f"{self.plan.description}\n"
-            f"{len(self.rows)} attention node(s) in the decode graph: {n_sparse} sparse, {len(self.rows) - n_sparse} dense"
-        )
+        head = [
+            f"sparse_fx plan {self.method} on {self.model_type} ({self.num_layers} layers): {self.description}",
+            f"{self.num_layers} layer(s) in the decode graph: {n_sparse} sparse, {self.num_layers - n_sparse} dense",
+        ]
         if self.traced:
-            head += "\n(traced on a tiny throwaway cache: run a decode step for the real side-cache sizes)"
+            head.append("(traced on a tiny throwaway cache: run a decode step for the real side-cache sizes)")
         else:
-            head += f"; side caches {self.side_cache_bytes / 2**20:.2f} MiB in all"
-        return head + "\n" + "\n".join(line.rstrip() for line in lines)
+            head[-1] += f"; side caches {self.side_cache_bytes / 2**20:.2f} MiB in all"
+        head += self.notes
+        return "\n".join(head) + "\n" + "\n".join(line.rstrip() for line in lines)
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython
         p.text(str(self))

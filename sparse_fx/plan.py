@@ -1,35 +1,37 @@
 """Plans: which sparse attention each layer runs, as a validated dataclass with a name table.
 
-`Plan.parse("prism-g4", budget=512)` is the one way from a user's string to a plan. Layer roles
-are derived from the plan and the layer count (`Plan.layer_roles`); a calibrated plan carries them
-explicitly and round-trips through JSON.
+`Plan.parse("prism-g4", budget=512)` is the one way from a user's string to a plan; the names a
+plan may take come from the method registry (`sparse_fx.methods`). A calibrated plan carries its
+layer roles explicitly and round-trips through JSON (`Plan.save` / `Plan.load`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("dense", "oracle", "hash", "prism", "static")
-GROUPED = ("prism", "static")
-ROLES = ("dense", "sparse", "proposal", "refined")
-PLAN_NAMES = "dense, oracle, hash, hash-b<bits> (e.g. hash-b128), prism-g<G> (e.g. prism-g4, prism-g9), static-g<G> (e.g. static-g4)"
+FORMAT = "sparse_fx.plan/1"
 DEFAULT_GROUP = 4
-
-_DESCRIPTIONS = {
-    "dense": "no rewrite: every layer keeps dense SDPA",
-    "oracle": "exact attention-mass top-k over the full-precision keys (the quality ceiling)",
-    "hash": "32-bit key/query signatures scored by Hamming similarity (HashAttention)",
-    "prism": "INT2 proposal layers build a candidate pool that refined layers re-score (Prism)",
-    "static": "INT2 proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)",
-}
 
 
 def _fail(msg: str) -> None:
     raise ValueError(f"sparse_fx: {msg}")
+
+
+def _methods():
+    from . import methods  # the registry imports plan types lazily too: no cycle at import time
+
+    return methods
+
+
+def _int(name: str, value, low: int | None = None, what: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(f"{name} must be an int{what}, got {value!r} ({type(value).__name__})")
+    if low is not None and value < low:
+        _fail(f"{name} must be >= {low}{what}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -59,32 +61,34 @@ class Plan:
     note: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            _fail(f"unknown method {self.method!r}; valid plans: {PLAN_NAMES}")
-        for name in ("budget", "group", "int2_group", "bits"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                _fail(f"{name} must be an int, got {value!r}")
-        if self.budget <= 0:
-            _fail(f"budget must be > 0 tokens, got {self.budget}")
-        if not isinstance(self.sink, int) or self.sink < 0:
-            _fail(f"sink must be an int >= 0, got {self.sink!r}")
-        if not isinstance(self.local, int) or self.local < 1:
-            _fail(f"local must be an int >= 1 (the window holds the current token), got {self.local!r}")
-        if not self.rho >= 1:
-            _fail(f"rho (pool size / budget) must be >= 1, got {self.rho!r}")
-        if self.method in GROUPED and self.group < 1:
-            _fail(f"group must be >= 1 layer (1: every layer proposes, no sharing), got {self.group}")
-        if self.bits < 32 or self.bits % 32:
+        handler = _methods().get(self.method)
+        _int("budget", self.budget, 1, " of tokens")
+        _int("sink", self.sink, 0)
+        _int("local", self.local, 1, " (the window holds the current token)")
+        _int("group", self.group)
+        _int("int2_group", self.int2_group, 2, " channels")
+        _int("bits", self.bits, 32)
+        _int("seed", self.seed)
+        if self.bits % 32:
             _fail(f"bits must be a positive multiple of 32, got {self.bits}")
-        if self.int2_group < 2:
-            _fail(f"int2_group must be >= 2 channels, got {self.int2_group}")
+        if not isinstance(self.rho, numbers.Real) or isinstance(self.rho, bool) or not self.rho >= 1:
+            _fail(f"rho (pool size / budget) must be a number >= 1, got {self.rho!r}")
+        if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
+            _fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
+        for i in self.dense_layers:
+            _int("each of dense_layers", i, 0, " (a layer index; negative indices are not taken)")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+        if self.roles is not None:
+            if isinstance(self.roles, (str, bytes)) or not all(isinstance(r, str) for r in self.roles):
+                _fail(f"roles must be a list of layer roles (strings), got {self.roles!r}")
+            object.__setattr__(self, "roles", tuple(self.roles))
+        if self.encoders is not None and not isinstance(self.encoders, (str, Path)):
+            _fail(f"encoders must be a directory path, got {self.encoders!r}")
         if self.encoders is not None and self.method != "hash":
             _fail(f"encoders apply to the hash plan, not {self.method!r}")
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(int(i) for i in self.dense_layers))))
-        if self.roles is not None:
-            object.__setattr__(self, "roles", tuple(self.roles))
-            self._check_roles(self.roles)
+        if self.roles is not None and not handler.explicit_roles:
+            _fail(f"explicit roles need a plan with proposal and refined layers, not {self.method!r}")
+        handler.validate(self)
 
     # ------------------------------------------------------------------ names
     @classmethod
@@ -95,29 +99,21 @@ class Plan:
         if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
             return cls.load(plan, **options)
         if not isinstance(plan, str):
-            _fail(f"plan must be a name, a Plan or a .json path, got {type(plan).__name__}; valid plans: {PLAN_NAMES}")
-        m = re.fullmatch(r"(dense|oracle)|(hash)(?:-b(\d+))?|(prism|static)(?:-g(\d+))?", plan.strip().lower())
-        if not m:
-            _fail(f"unknown plan {plan!r}; valid plans: {PLAN_NAMES}")
-        method = m.group(1) or m.group(2) or m.group(4)
-        base = {"method": method}
-        if m.group(3):
-            base["bits"] = int(m.group(3))
-        if m.group(5):
-            base["group"] = int(m.group(5))
-        return cls(**{**base, **_checked_options(options)})
+            _fail(f"plan must be a name, a Plan or a .json path, got {type(plan).__name__}; "
+                  f"valid plans: {_methods().plan_forms()}")
+        found = _methods().parse(plan.strip().lower())
+        if found is None:
+            _fail(f"unknown plan {plan!r}; valid plans: {_methods().plan_forms()}")
+        method, fields = found
+        return cls(**{"method": method, **fields, **_checked_options(options)})
 
     @property
     def name(self) -> str:
-        if self.method in GROUPED:
-            return f"{self.method}-g{self.group}" + ("-calibrated" if self.roles else "")
-        if self.method == "hash":
-            return "hash" + (f"-b{self.bits}" if self.bits != 32 else "") + ("-learned" if self.encoders else "")
-        return self.method
+        return _methods().get(self.method).plan_name(self)
 
     @property
     def description(self) -> str:
-        return _DESCRIPTIONS[self.method]
+        return _methods().get(self.method).description
 
     @property
     def pool(self) -> int:
@@ -129,43 +125,13 @@ class Plan:
         """Slots always kept: the sink plus the local window."""
         return self.sink + self.local
 
-    # ------------------------------------------------------------------ roles
-    def layer_roles(self, num_layers: int) -> list[str]:
-        """One role per layer: dense, sparse (oracle/hash), proposal or refined (prism/static)."""
-        if self.roles is not None:
-            if len(self.roles) != num_layers:
-                _fail(f"plan {self.name!r} has roles for {len(self.roles)} layers but the model has {num_layers}")
-            roles = list(self.roles)
-        elif self.method == "dense":
-            roles = ["dense"] * num_layers
-        elif self.method in GROUPED:
-            roles = ["proposal" if i % self.group == 0 else "refined" for i in range(num_layers)]
-        else:
-            roles = ["sparse"] * num_layers
-        for i in self.dense_layers:
-            if i >= num_layers:
-                _fail(f"dense_layers holds layer {i} but the model has {num_layers} layers")
-            roles[i] = "dense"
-        if self.method in GROUPED:
-            roles = _promote_orphans(roles)
-        return roles
-
-    def _check_roles(self, roles: tuple[str, ...]) -> None:
-        if self.method not in GROUPED:
-            _fail(f"explicit roles need a prism or static plan, not {self.method!r}")
-        bad = sorted(set(roles) - {"dense", "proposal", "refined"})
-        if bad:
-            _fail(f"unknown layer roles {bad}; valid roles: dense, proposal, refined")
-        first = next((r for r in roles if r != "dense"), None)
-        if first == "refined":
-            _fail("the first sparse layer must be a proposal layer (a refined layer re-scores an earlier proposal's pool)")
-
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         d["roles"] = list(self.roles) if self.roles is not None else None
-        return {"format": "sparse_fx.plan/1", "name": self.name, **d}
+        d["encoders"] = str(self.encoders) if self.encoders is not None else None
+        return {"format": FORMAT, "name": self.name, **d}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -173,32 +139,29 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path, **options) -> Plan:
         path = Path(path)
+        if path.is_dir():
+            _fail(f"plan file {str(path)!r} is a directory; give the plan's .json file (Plan.save writes one)")
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             _fail(f"plan file {str(path)!r} does not exist")
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"plan file {str(path)!r} cannot be read: {e}")
         except json.JSONDecodeError as e:
             _fail(f"plan file {str(path)!r} is not valid JSON: {e}")
-        if not isinstance(data, dict) or data.get("format") != "sparse_fx.plan/1":
-            _fail(f"{str(path)!r} is not a sparse_fx plan file (expected \"format\": \"sparse_fx.plan/1\")")
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            _fail(f"{str(path)!r} is not a sparse_fx plan file (expected \"format\": \"{FORMAT}\")")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields - {"format", "name"})
         if unknown:
-            _fail(f"plan file {str(path)!r} has unknown keys {unknown}")
+            _fail(f"plan file {str(path)!r} has unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
         kwargs = {k: v for k, v in data.items() if k in fields}
-        kwargs["dense_layers"] = tuple(kwargs.get("dense_layers") or ())
-        return cls(**{**kwargs, **_checked_options(options)})
-
-
-def _promote_orphans(roles: list[str]) -> list[str]:
-    """A refined layer needs an earlier proposal layer; the first sparse layer proposes."""
-    out, seen_proposal = [], False
-    for r in roles:
-        if r == "refined" and not seen_proposal:
-            r = "proposal"
-        seen_proposal |= r == "proposal"
-        out.append(r)
-    return out
+        if kwargs.get("dense_layers") is None:
+            kwargs.pop("dense_layers", None)
+        try:
+            return cls(**{**kwargs, **_checked_options(options)})
+        except ValueError as e:
+            raise ValueError(f"{e} (in plan file {str(path)!r})") from None
 
 
 PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("method", "note"))

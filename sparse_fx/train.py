@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .lowering.reference import kept
+from .model_info import ModelInfo
 from .plan import Plan
 from .runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders, apply_head_mlp
 
@@ -87,18 +89,6 @@ class Window:
     positions: torch.Tensor  # [S] int64: the sampled queries' positions
 
 
-def fingerprint(model) -> dict:
-    c = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    heads = c.num_attention_heads
-    return {
-        "model_type": c.model_type,
-        "num_layers": c.num_hidden_layers,
-        "q_heads": heads,
-        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
-    }
-
-
 def capture_windows(model, windows: torch.Tensor, config: TrainConfig, progress: bool = True) -> list[Window]:
     """Run the frozen model over token windows [N, T]; keep per-layer keys, sampled queries, labels,
     on the model's device (the labels' logits are the costly part after the forward pass)."""
@@ -132,7 +122,7 @@ def _window(captured, T: int, config: TrainConfig, gen: torch.Generator, device)
     low = max(T // 8, config.sink + config.local + 2 * config.top)
     positions = torch.sort(torch.randint(low, T, (config.queries,), generator=gen)).values.to(device)
     key = torch.arange(T, device=device)[None, :]
-    kept = (key < config.sink) | (key > positions[:, None] - config.local)  # [S,T]: the plan keeps these
+    keep = kept(key, positions[:, None], config.sink, config.local)  # [S,T]: the plan keeps these anyway
     keys, queries, ranked, labels = [], [], [], []
     for layer in sorted(captured):
         q, k, scale = captured[layer]  # [1,Hq,T,D], [1,Hkv,T,D]
@@ -143,7 +133,7 @@ def _window(captured, T: int, config: TrainConfig, gen: torch.Generator, device)
         logits = logits.masked_fill(key[None] > positions[None, :, None], float("-inf"))
         ranked.append(torch.topk(logits, max(config.top, 32), dim=-1).indices.int())
         score = _kv_mass(logits * (qs.shape[-1] ** -0.5 if scale is None else scale), G) if config.labels == "kv" else logits
-        labels.append(torch.topk(score.masked_fill(kept[None], float("-inf")), config.top, dim=-1).indices.int())
+        labels.append(torch.topk(score.masked_fill(keep[None], float("-inf")), config.top, dim=-1).indices.int())
         keys.append(k.half())
         queries.append(qs)
     return Window(torch.stack(keys), torch.stack(queries), torch.stack(ranked), torch.stack(labels), positions)
@@ -231,7 +221,7 @@ def _loss(w: Window, qi, kj, q_enc: HeadMLP, k_enc: HeadMLP, temp, bias, config:
     qb = qb.reshape(units, -1, len(qi), bits).sum(1)  # a KV head's score sums its query heads' similarities
     logits = torch.baddbmm(bias, qb * temp, kb.transpose(-1, -2))  # [units, queries, keys]
     pos = w.positions[qi]
-    candidate = (kj[None, :] >= config.sink) & (kj[None, :] <= pos[:, None] - config.local)
+    candidate = (kj[None, :] <= pos[:, None]) & ~kept(kj[None, :], pos[:, None], config.sink, config.local)
     dense = torch.nn.functional.softplus(logits.masked_fill(~candidate[None], float("-inf"))).sum()
     column = torch.full((T,), -1, dtype=torch.long, device=kj.device)
     column[kj] = torch.arange(len(kj), device=kj.device)
@@ -273,7 +263,7 @@ def train_signatures(
     encoders, history = train_on_windows(data, config, progress)
     metadata = {"train_config": asdict(config), "loss_history": history, "data": source,
                 "capture_seconds": captured - start, "train_seconds": time.perf_counter() - start}
-    return SignatureEncoders(encoders, config.bits, fingerprint(model), metadata)
+    return SignatureEncoders(encoders, config.bits, ModelInfo.of(model).fingerprint(model), metadata)
 
 
 def _token_windows(texts, tokenizer, config: TrainConfig, windows: int) -> tuple[torch.Tensor, dict]:
@@ -342,15 +332,15 @@ def selection_recall(
         T = w.keys.shape[2]
         key = torch.arange(T, device=w.positions.device)[None, :]
         future = key > w.positions[:, None]  # [S,T]
-        kept = ((key < sink) | (key > w.positions[:, None] - local)) & ~future
+        keep = kept(key, w.positions[:, None], sink, local)
         for layer in range(layers):
             scores = score_fn(layer, w.queries[layer], w.keys[layer].float(), w.positions).float()
             if not per_query_head:
                 scores = scores.repeat_interleave(Hq // scores.shape[0], 0)
-            scores = scores.masked_fill(future[None], float("-inf")).masked_fill(kept[None], float("inf"))
+            scores = scores.masked_fill(future[None], float("-inf")).masked_fill(keep[None], float("inf"))
             truth = w.ranked[layer, :, :, :k]  # [Hq,S,k]
             for f in fractions:
-                budget = ((w.positions + 1) * f).clamp(min=1).long() + kept.sum(-1)  # a query sees positions+1 keys
+                budget = ((w.positions + 1) * f).clamp(min=1).long() + keep.sum(-1)  # a query sees positions+1 keys
                 chosen = torch.topk(scores, min(T, int(budget.max())), dim=-1).indices
                 rank = torch.arange(chosen.shape[-1], device=chosen.device)
                 chosen = torch.where(rank[None, None, :] < budget[None, :, None], chosen, -1)

@@ -1,0 +1,45 @@
+"""The torch.compile backend: rewrite the decode graph, then hand it to Inductor (or run it)."""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled import CompiledState
+from .rewrite import rewrite
+
+
+def sparse_backend(state: CompiledState):
+    """A torch.compile backend bound to one compiled model's state."""
+
+    def sparse_fx_backend(gm: torch.fx.GraphModule, example_inputs):
+        report = rewrite(gm, state)
+        state.reports.append(report)
+        if state.strict:
+            _check_strict(state, report)
+        if state.backend == "eager":
+            return gm.forward
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+        mode = state.mode or ("reduce-overhead" if on_cuda else "default")
+        import torch._inductor.config as inductor_config
+
+        patches = dict(list_mode_options(mode))  # scoped to this compile: global config stays as it was
+        if hasattr(inductor_config, "use_static_cuda_launcher"):
+            # torch 2.11's static launcher crashed (SIGSEGV) launching a kernel of our graphs while
+            # CUDA graph trees recorded it; Triton's own launcher does not
+            patches["use_static_cuda_launcher"] = False
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return sparse_fx_backend
+
+
+def _check_strict(state: CompiledState, report) -> None:
+    seen = {r.layer for r in report.rows}
+    missed = [f"layer {r.layer}: {r.reason}" for r in report.rows if r.action == "dense" and r.role != "dense"]
+    missed += [f"layer {i}: no scaled_dot_product_attention call in the traced graph"
+               for i, role in enumerate(state.roles) if role != "dense" and i not in seen]
+    if missed:
+        raise RuntimeError(f"sparse_fx (strict): {len(missed)} attention(s) the plan wants sparse stay dense: "
+                           + "; ".join(missed))

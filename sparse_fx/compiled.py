@@ -1,0 +1,130 @@
+"""The state one compiled model carries: its plan and method, the role of each layer, the side
+caches and encoders, the reports of its decode graphs, and the eager side-cache fill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .explain import GraphReport
+from .graph import EagerEmitter
+from .measure import Measurements
+from .methods import Method
+from .model_info import ModelInfo
+from .plan import Plan
+from .runtime.caches import KVShape, SideCaches
+from .runtime.encoders import Encoders, LayerEncoders
+
+
+def static_layers(cache) -> list | None:
+    """The layers of a Hugging Face static cache (None for anything else, e.g. a DynamicCache)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "cumulative_length") and hasattr(layer, "max_cache_len") for layer in layers):
+        return None
+    return layers
+
+
+def filled(layer) -> int:
+    """Tokens a static cache layer holds (a device-to-host read: prefill and cache switches only)."""
+    return int(layer.cumulative_length) if getattr(layer, "is_initialized", False) else 0
+
+
+@dataclass
+class CompiledState:
+    """Per-model state shared by every graph our backend compiles for that model."""
+
+    plan: Plan
+    info: ModelInfo
+    method: Method
+    encoders: Encoders
+    backend: str = "inductor"
+    mode: str | None = None
+    strict: bool = False
+    measurements: Measurements | None = None
+    attention_note: str = ""  # e.g. the attention implementation compile() switched from
+    side_caches: SideCaches = field(default_factory=SideCaches)
+    reports: list[GraphReport] = field(default_factory=list)
+    warned: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        dense = set(self.plan.dense_layers) | set(self.info.sliding_layers)
+        bad = sorted(i for i in self.plan.dense_layers if i >= self.info.num_layers)
+        if bad:
+            raise ValueError(f"sparse_fx: dense_layers holds layers {bad} but the model has {self.info.num_layers} "
+                             f"layers (valid: 0..{self.info.num_layers - 1})")
+        self.roles = self.method.roles(self.plan, self.info.num_layers, dense)
+        self._flags: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ layers
+    def role(self, layer: int) -> str:
+        return self.roles[layer] if 0 <= layer < len(self.roles) else "dense"
+
+    def dense_reason(self, layer: int) -> str:
+        if not 0 <= layer < len(self.roles):
+            return f"layer index {layer} is outside the model's {len(self.roles)} layers"
+        if all(r == "dense" for r in self.roles):
+            return f"plan {self.plan.name} is dense"
+        if layer in self.info.sliding_layers:
+            return "sliding-window layer (already local attention)"
+        if layer in self.plan.dense_layers:
+            return "dense_layers option"
+        return "plan role: dense"
+
+    def budget_text(self) -> str:
+        p = self.plan
+        return f"{p.sink}+{p.local}+{p.budget}"
+
+    def layer_encoders(self, layer: int, kv: KVShape) -> LayerEncoders:
+        return self.encoders.layer(layer, self.info.q_heads or kv.kv_heads, kv.kv_heads, kv.head_dim, kv.device)
+
+    # ------------------------------------------------------------------ calibration's search mode
+    def role_flags(self, device: torch.device) -> torch.Tensor:
+        """[layers] bool on `device`: which search layers propose (True) or refine (False)."""
+        if self._flags is None:
+            self._flags = torch.tensor([r in ("proposal", "search") for r in self.roles])
+        if self._flags.device != device:  # only before the first compile: graphs hold the tensor
+            self._flags = self._flags.to(device)
+        return self._flags
+
+    def set_roles(self, roles: list[str]) -> None:
+        """Search mode: make `roles` (proposal / refined / dense per layer) take effect in place."""
+        flags = torch.tensor([r == "proposal" for r in roles])
+        if self._flags is None:
+            self._flags = flags
+        else:
+            self._flags.copy_(flags)
+
+    # ------------------------------------------------------------------ side caches, eagerly
+    def fill(self, cache, lo: int | None = None, hi: int | None = None) -> None:
+        """Write the side caches of every sparse layer for the positions [lo, hi) of a static cache
+        (default: all it holds), exactly as decode steps would have, and take ownership of them.
+        A cache whose side caches describe another cache is refilled from position 0."""
+        layers = static_layers(cache)
+        if layers is None:
+            return
+        emit = EagerEmitter()
+        with torch.no_grad():
+            for i, role in enumerate(self.roles[: len(layers)]):
+                layer = layers[i]
+                if role == "dense" or getattr(layer, "is_sliding", False) or not getattr(layer, "is_initialized", False):
+                    continue
+                kv = KVShape.of(layer.keys)
+                specs = self.method.side_cache(role, kv, self.plan)
+                if not specs:
+                    continue
+                start = 0 if lo is None or not self.side_caches.owned_by(kv, cache) else lo
+                stop = filled(layer) if hi is None else hi
+                if stop > start:
+                    side = self.side_caches.layer(i, kv, specs)
+                    pos = torch.arange(start, stop, device=kv.device)
+                    self.method.write(emit, self, i, kv, side, layer.keys[:, :, start:stop], pos)
+            for kv in {KVShape.of(layer.keys) for layer in layers if getattr(layer, "is_initialized", False)}:
+                self.side_caches.own(kv, cache)
+
+    def owns(self, cache) -> bool:
+        """Whether the side caches describe `cache` (checked on its first full-attention layer: the
+        layers of one cache share a shape)."""
+        layer = next((x for x in static_layers(cache) or () if getattr(x, "is_initialized", False)
+                      and not getattr(x, "is_sliding", False)), None)
+        return layer is None or self.side_caches.owned_by(KVShape.of(layer.keys), cache)

@@ -1,0 +1,167 @@
+"""`model.forward` after `sparse_fx.compile`.
+
+Prefill (several new tokens) runs Hugging Face's own attention, uncompiled: the time to first
+token is the dense model's, for any prompt length, and then the side caches of the new positions
+are written. Decode (one new token) runs the compiled, rewritten graph. The side caches follow
+the KV cache they describe: a beam-search reordering is applied to them too, any other change to
+a cache's rows or length makes them stale, and a decode step on a cache they do not describe
+refills them first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+import weakref
+
+import torch
+
+from .compiled import CompiledState, filled, static_layers
+
+MAX_DECODE_GRAPHS = 32  # distinct (batch, cache length) decode graphs one model may compile
+FOLLOWED = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave", "crop", "reset")
+
+
+class SparseForward:
+    """Every call of the compiled model comes through here."""
+
+    def __init__(self, model: torch.nn.Module, original, compiled, state: CompiledState):
+        functools.update_wrapper(self, original)  # generate() inspects forward's signature
+        self.model, self.original, self.compiled, self.state = model, original, compiled, state
+
+    def __call__(self, *args, **kwargs):
+        if self.model.training:
+            raise RuntimeError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval()")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("inputs_embeds") if ids is None else ids
+        cache = kwargs.get("past_key_values")
+        layers = static_layers(cache)
+        if layers is None:
+            self._warn("cache", "sparse_fx: this call has no static KV cache (e.g. a DynamicCache), so nothing runs "
+                       "sparse; use generate(..., cache_implementation='static') or pass a StaticCache")
+        else:
+            follow(cache, self.state)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] > 1:
+            return self._prefill(ids, layers, cache, args, kwargs)
+        if layers is not None and not self.state.owns(cache):
+            self.state.fill(cache)  # it describes another cache (or one changed under it)
+        initialise_static_cache(self.model, self.state.info, ids, cache)
+        out = self._decode(args, kwargs)
+        if layers is not None and not self.state.owns(cache):
+            self.state.fill(cache)  # a cache the decode graph itself initialised
+        self._check_decode()
+        return out
+
+    def _prefill(self, ids, layers, cache, args, kwargs):
+        first = next((x for x in layers or () if not getattr(x, "is_sliding", False)), None)
+        lo = filled(first) if first is not None else 0
+        out = self.original(*args, **kwargs)
+        if layers is not None:
+            self.state.fill(cache, lo, lo + ids.shape[1])
+        return out
+
+    def _decode(self, args, kwargs):
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        try:
+            with config.patch(**{limit: MAX_DECODE_GRAPHS}):
+                return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            shapes = sorted({(r.shape.batch, r.shape.max_len) for r in self.state.reports if r.shape is not None})
+            raise RuntimeError(
+                f"sparse_fx: {len(shapes)} decode graphs compiled for (batch, cache length) {shapes}, the most one model "
+                f"keeps ({MAX_DECODE_GRAPHS}); allocate one StaticCache as long as the longest request needs "
+                "(generate(..., cache_implementation='static') sizes it to the longest call so far) "
+                "or generation_config.max_cache_len") from None
+
+    def _check_decode(self) -> None:
+        report = self.state.reports[-1] if self.state.reports else None
+        if report is not None and not any(r.action == "sparse" for r in report.rows):
+            reasons = sorted({r.reason for r in report.rows}) or ["no attention found in the graph"]
+            self._warn("dense", f"sparse_fx: no layer runs sparse in this decode step ({'; '.join(reasons)}); "
+                       "see sparse_fx.explain(model)")
+        if self.state.method.name == "hash" and not self.state.encoders.learned:
+            self._warn("lsh", "sparse_fx: hash is running untrained random signatures (LSH, about 90% of the oracle's "
+                       "next-token agreement); train encoders with sparse_fx.train_signatures(model, tokenizer=...) "
+                       "and pass them as compile(..., encoders=...)")
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self.state.warned:
+            self.state.warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+
+def follow(cache, state: CompiledState) -> None:
+    """Make `cache`'s own mutators keep `state`'s side caches honest (once per cache and state):
+    a beam reordering is applied to them, other changes of rows or length disown them."""
+    followers = cache.__dict__.setdefault("_sparse_fx_followers", [])
+    if any(ref() is state for ref in followers):
+        return
+    if not followers:
+        for name in FOLLOWED:
+            original = getattr(cache, name, None)
+            if original is not None:
+                setattr(cache, name, _followed(cache, name, original))
+    followers.append(weakref.ref(state))
+
+
+def _followed(cache, name: str, original):
+    ref = weakref.ref(cache)
+
+    @functools.wraps(original)
+    def method(*args, **kwargs):
+        out = original(*args, **kwargs)
+        c = ref()
+        for follower in c.__dict__.get("_sparse_fx_followers", []) if c is not None else ():
+            state = follower()
+            if state is None:
+                continue
+            if name == "reorder_cache":
+                state.side_caches.reorder(c, args[0] if args else kwargs["beam_idx"])
+            else:
+                state.side_caches.disown(c)
+        return out
+
+    return method
+
+
+def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:
+    """Allocate a fresh StaticCache before the compiled call, as `generate` does for compiled steps.
+
+    Left to allocate lazily, it would do so inside the compiled graph, where Hugging Face cannot
+    mark its tensors as static addresses; CUDA graphs then skip the step ("mutated inputs") and the
+    next launch fails on the unmarked tensors. Only on CUDA, where CUDA graphs run.
+    """
+    layers = static_layers(cache)
+    if not layers or not hasattr(cache, "early_initialization") or not isinstance(ids, torch.Tensor):
+        return
+    if all(getattr(layer, "is_initialized", True) or not getattr(layer, "supports_early_init", False) for layer in layers):
+        return
+    param = next(model.parameters(), None)
+    if param is None or not param.is_cuda or info.mla:
+        return  # (MLA: keys and values differ in size; Hugging Face does not initialise these early either)
+    cache.early_initialization(ids.shape[0], info.kv_heads, info.head_dim, param.dtype, param.device)
+
+
+def cache_bucket(n: int) -> int:
+    """A static cache length rounded up to 1/16 of an octave (at least 256 tokens): at most 6.25%
+    more memory, and few enough distinct lengths that decode graphs stay bounded."""
+    step = max(256, 2 ** (max(int(n), 1).bit_length() - 5))
+    return math.ceil(n / step) * step
+
+
+def bucket_static_caches(model: torch.nn.Module) -> None:
+    """Round the length of every static cache `generate` allocates up to `cache_bucket`."""
+    original = getattr(model, "_prepare_static_cache", None)
+    if original is None or getattr(original, "_sparse_fx_bucketed", False):
+        return
+
+    @functools.wraps(original)
+    def prepare(*args, **kwargs):
+        if "max_cache_len" in kwargs:
+            kwargs["max_cache_len"] = cache_bucket(kwargs["max_cache_len"])
+        return original(*args, **kwargs)
+
+    prepare._sparse_fx_bucketed = True
+    model._prepare_static_cache = prepare

@@ -1,0 +1,159 @@
+"""Sparse-attention methods, one module each, behind one small interface and a name table.
+
+A plan names its method (`Plan.method`); `get(name)` returns the handler, as a torchao config maps
+to its handler. A method says which layers do what (`roles`), rejects models and plans it cannot
+serve (`check`, `site_problem`), declares and writes the side cache a layer keeps (`side_cache`,
+`write`: the same code serves the compiled decode graph and the eager prefill), and emits the
+graph ops that choose a decode step's cache positions (`select`). The rewrite around it is
+generic: it finds attention, decides, splices, and never tests a method's name.
+
+A new method is one module: subclass `Method`, then `register(MyMethod())`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
+
+if TYPE_CHECKING:
+    from ..compiled import CompiledState
+    from ..model_info import ModelInfo
+    from ..plan import Plan
+    from ..runtime.caches import KVShape, Spec
+
+OPS = torch.ops.sparse_fx
+
+
+@dataclass
+class Site:
+    """One attention of a decode graph, as a method sees it: graph values (FX nodes) and facts."""
+
+    layer: int
+    role: str
+    q: Any  # [B, Hq, 1, D]
+    k: Any  # [B, Hkv, L, D], the KV cache itself (no repeat)
+    v: Any
+    mask: Any  # SDPA's attn_mask [B|1, 1|Hq, 1, L] or None
+    scale: Any  # SDPA's scale or None
+    pos: Any  # [T] cache positions written this step; pos[-1] is the query's
+    start: Any  # [B] each row's first real position (left padding), or None
+    kv: KVShape
+    q_heads: int
+    side: dict[str, Any]  # this layer's side caches
+    carry: dict = field(default_factory=dict)  # what earlier layers of the graph left (e.g. a Prism pool)
+
+
+@dataclass
+class Selection:
+    """What `Method.select` decided: the positions to attend to, or why the layer stays dense."""
+
+    indices: Any = None  # [B, Hkv, sink + local + budget] int32
+    note: str = ""  # added to explain's budget column
+    dense_reason: str = ""
+    pool: Any = None  # candidates a later layer re-scores (measurements report its recall)
+
+
+class Method:
+    """The interface a sparse-attention method implements (defaults: no side cache, every layer
+    of role 'sparse')."""
+
+    name = ""
+    description = ""
+    explicit_roles = False  # whether a plan may give its layer roles (a calibrated plan)
+
+    # ---------------------------------------------------------------- plans
+    def parse(self, text: str) -> dict | None:
+        """Plan fields named by `text` (e.g. "prism-g4" -> {"group": 4}), or None if not this method's."""
+        return {} if text == self.name else None
+
+    name_forms = ""  # how the plan names read, for error messages (default: the bare name)
+
+    def plan_name(self, plan: Plan) -> str:
+        return self.name
+
+    def validate(self, plan: Plan) -> None:
+        """Reject option values this method cannot take (ValueError naming the valid choices)."""
+
+    def roles(self, plan: Plan, num_layers: int, dense: set[int]) -> list[str]:
+        return ["dense" if i in dense else "sparse" for i in range(num_layers)]
+
+    def check(self, info: ModelInfo, plan: Plan) -> None:
+        """Reject a model whose shapes this method cannot serve."""
+
+    def for_search(self) -> Method:
+        """Calibration's variant, in which every sparse layer can propose (see `sparse_fx.calibrate`)."""
+        raise ValueError(f"sparse_fx: plan method {self.name!r} has no proposal layers to calibrate")
+
+    def describe(self, state: CompiledState) -> str:
+        """The method as explain() shows it."""
+        return state.plan.name
+
+    # ---------------------------------------------------------------- side caches
+    def side_cache(self, role: str, kv: KVShape, plan: Plan) -> dict[str, Spec]:
+        """The side-cache tensors a layer of this role keeps ({}: none)."""
+        return {}
+
+    def write(self, emit, state: CompiledState, layer: int, kv: KVShape, side: dict, new_keys, pos) -> None:
+        """Write the side cache for the keys `new_keys` [B, Hkv, T, D] just stored at `pos` [T]."""
+
+    # ---------------------------------------------------------------- decode
+    def site_problem(self, role: str, kv: KVShape, plan: Plan) -> str | None:
+        """Why this layer cannot run sparse here (None: it can)."""
+        return None
+
+    def select(self, emit, state: CompiledState, site: Site) -> Selection:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared steps
+    def topk(self, emit, state: CompiledState, site: Site, scores, k: int, positions=None):
+        """The plan's selection over `scores`: sink + local window + the best `k` candidates."""
+        p = state.plan
+        return emit.call(OPS.select_topk.default, scores, site.pos, k, p.sink, p.local, site.mask, positions, site.start)
+
+
+class Dense(Method):
+    name = "dense"
+    description = "no rewrite: every layer keeps dense SDPA"
+
+    def roles(self, plan, num_layers, dense):
+        return ["dense"] * num_layers
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Make `method` a plan method (by `method.name`); returns it."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", method.name or ""):
+        raise ValueError(f"sparse_fx: a method needs a lowercase name, got {method.name!r}")
+    _REGISTRY[method.name] = method
+    return method
+
+
+def get(name: str) -> Method:
+    if name not in _REGISTRY:
+        raise ValueError(f"sparse_fx: unknown method {name!r}; valid plans: {plan_forms()}")
+    return _REGISTRY[name]
+
+
+def parse(text: str) -> tuple[str, dict] | None:
+    """(method name, plan fields) for a plan name, or None."""
+    for method in _REGISTRY.values():
+        fields = method.parse(text)
+        if fields is not None:
+            return method.name, fields
+    return None
+
+
+def plan_forms() -> str:
+    return ", ".join(m.name_forms or m.name for m in _REGISTRY.values())
+
+
+register(Dense())
+
+from . import hash, oracle, prism  # noqa: E402,F401  (each registers itself)

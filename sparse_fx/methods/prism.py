@@ -1,0 +1,161 @@
+"""Prism: proposal layers score every key with INT2 copies and keep a pool of rho * budget
+candidates; the refined layers after them re-score only that pool with their own exact keys.
+
+`static` is the IndexCache-style ablation (refined layers reuse the proposal's choice as is), and
+`for_search()` gives calibration's variant, where every sparse layer computes both paths and a
+per-layer flag on the device picks one, so trying a role assignment writes a tensor, not a graph.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+
+from ..lowering.reference import INT2_CODES_PER_WORD
+from ..runtime.caches import Spec
+from . import OPS, Method, Selection, register
+
+SCALE_DTYPE = torch.float16  # INT2 scale/zero storage: 11 mantissa bits keep the round trip tight
+LAYER_ROLES = ("dense", "proposal", "refined")
+
+
+class Prism(Method):
+    name = "prism"
+    name_forms = "prism-g<G> (e.g. prism-g4, prism-g9)"
+    description = "INT2 proposal layers build a candidate pool that refined layers re-score (Prism)"
+    explicit_roles = True
+    refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
+    search = False  # calibration: both paths everywhere, a device flag per layer picks
+
+    def parse(self, text):
+        m = re.fullmatch(rf"{self.name}(?:-g(\d+))?", text)
+        if not m:
+            return None
+        return {"group": int(m.group(1))} if m.group(1) else {}
+
+    def plan_name(self, plan):
+        return f"{self.name}-g{plan.group}" + ("-calibrated" if plan.roles else "")
+
+    def validate(self, plan):
+        if plan.group < 1:
+            raise ValueError(f"sparse_fx: group must be >= 1 layer (1: every layer proposes, no sharing), got {plan.group}")
+        if plan.roles is not None:
+            bad = sorted(set(plan.roles) - set(LAYER_ROLES))
+            if bad:
+                raise ValueError(f"sparse_fx: unknown layer roles {bad}; valid roles: {', '.join(LAYER_ROLES)}")
+            if next((r for r in plan.roles if r != "dense"), None) == "refined":
+                raise ValueError("sparse_fx: the first sparse layer must be a proposal layer "
+                                 "(a refined layer re-scores an earlier proposal's pool)")
+
+    def for_search(self) -> Prism:
+        variant = type(self)()
+        variant.search = True
+        return variant
+
+    def roles(self, plan, num_layers, dense):
+        if plan.roles is not None:
+            if len(plan.roles) != num_layers:
+                raise ValueError(f"sparse_fx: plan {plan.name!r} has roles for {len(plan.roles)} layers "
+                                 f"but the model has {num_layers}")
+            roles = list(plan.roles)
+        else:
+            roles = ["proposal" if i % plan.group == 0 else "refined" for i in range(num_layers)]
+        roles = ["dense" if i in dense else r for i, r in enumerate(roles)]
+        out, seen = [], False  # a refined layer needs an earlier proposal: the first sparse layer proposes
+        for r in roles:
+            if r == "refined" and not seen:
+                r = "proposal"
+            seen |= r == "proposal"
+            out.append(r)
+        return ["dense" if r == "dense" else "search" for r in out] if self.search else out
+
+    def check(self, info, plan):
+        D = info.head_dim
+        if D is not None:
+            problem = self._int2_problem(D, plan)
+            if problem:
+                raise ValueError(f"sparse_fx: {problem}")
+
+    @staticmethod
+    def _int2_problem(D: int, plan) -> str | None:
+        if D % INT2_CODES_PER_WORD:
+            return f"INT2 keys pack 16 channels per word; head dim {D} is not a multiple of 16"
+        if D % plan.int2_group:
+            valid = [g for g in range(2, D + 1) if D % g == 0]
+            return f"int2_group={plan.int2_group} does not divide head dim {D}; valid: {valid}"
+        return None
+
+    # ---------------------------------------------------------------- side cache: INT2 keys
+    def side_cache(self, role, kv, plan):
+        if role not in ("proposal", "search"):
+            return {}
+        M = kv.head_dim // plan.int2_group
+        return {"codes": Spec((kv.head_dim // INT2_CODES_PER_WORD,), torch.int32),
+                "scale": Spec((M,), SCALE_DTYPE), "zero": Spec((M,), SCALE_DTYPE)}
+
+    def write(self, emit, state, layer, kv, side, new_keys, pos):
+        emit.call(OPS.int2_write.default, side["codes"], side["scale"], side["zero"], new_keys, pos)
+
+    def site_problem(self, role, kv, plan):
+        return self._int2_problem(kv.head_dim, plan) if role in ("proposal", "search") else None
+
+    # ---------------------------------------------------------------- decode
+    def select(self, emit, state, site):
+        p = state.plan
+        earlier = site.carry.get("proposal")  # (layer, pool, proposal's own selection) or None
+        if site.role == "proposal":
+            pool, idx = self._propose(emit, state, site)
+            site.carry["proposal"] = (site.layer, pool, idx)
+            return Selection(idx, note=f", pool {p.pool}", pool=pool)
+        if site.role == "refined":
+            if earlier is None:
+                return Selection(dense_reason="no earlier proposal layer is sparse in this graph")
+            layer, pool, idx = earlier
+            return Selection(self._refine(emit, state, site, pool, idx), note=f", from L{layer}", pool=pool)
+        # search: both paths; the layer's flag in a device buffer picks one (see calibrate)
+        own_pool, own_idx = self._propose(emit, state, site)
+        if earlier is None:
+            pool, idx = own_pool, own_idx
+        else:
+            _, carried_pool, carried_idx = earlier
+            flag = emit.call(operator.getitem, emit.tensor("role_flags", state.role_flags(site.kv.device)), site.layer)
+            idx = emit.call(torch.where, flag, own_idx, self._refine(emit, state, site, carried_pool, carried_idx))
+            pool = emit.call(torch.where, flag, own_pool, carried_pool)
+            own_idx = emit.call(torch.where, flag, own_idx, carried_idx)
+        site.carry["proposal"] = (site.layer, pool, own_idx)
+        return Selection(idx, note=f", pool {p.pool}", pool=pool)
+
+    def _propose(self, emit, state, site):
+        """INT2 scores over the filled cache -> (pool of the best `plan.pool`, its best `budget`)."""
+        p = state.plan
+        side = site.side
+        scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
+        ranked = self.topk(emit, state, site, scores, p.pool)
+        pool = emit.call(operator.getitem, ranked, (slice(None), slice(None), slice(p.window, None)))
+        at_pool = emit.call(_scores_at, scores, pool)
+        return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
+
+    def _refine(self, emit, state, site, pool, proposal_idx):
+        """Re-score the proposal's pool with this layer's exact keys (static: reuse its choice)."""
+        if not self.refine:
+            return proposal_idx
+        scores = emit.call(OPS.mass_scores.default, site.q, site.k, site.scale, site.mask, pool)
+        return self.topk(emit, state, site, scores, state.plan.budget, pool)
+
+
+class Static(Prism):
+    name = "static"
+    name_forms = "static-g<G> (e.g. static-g4)"
+    description = "INT2 proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
+    refine = False
+
+
+def _scores_at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores [B,Hkv,L] read at positions [B,Hkv,N] (-1 reads slot 0; the select ignores it)."""
+    return torch.gather(scores, 2, positions.clamp(min=0).long())
+
+
+register(Prism())
+register(Static())

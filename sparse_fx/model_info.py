@@ -1,0 +1,101 @@
+"""What sparse_fx knows of a Hugging Face decoder, read from its config: the one module that does.
+
+`ModelInfo.of(model)` gives the shapes plans and caches need; `fingerprint` names a model for
+trained signature encoders (shapes and a digest of the weights, so that encoders trained on one
+model are refused by another of the same shape); `use_sdpa` puts the model on SDPA attention,
+the call the pass rewrites.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+SDPA = "sdpa"
+
+
+def _text_config(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("sparse_fx: the model has no `config`; pass a Hugging Face decoder (PreTrainedModel)")
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The shape facts of a decoder that plans, caches and encoders need."""
+
+    model_type: str
+    num_layers: int
+    q_heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    sliding_layers: frozenset[int] = frozenset()
+    mla: bool = False  # keys and values of different widths (multi-head latent attention)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelInfo:
+        text = _text_config(model)
+        layers = getattr(text, "num_hidden_layers", None)
+        if not isinstance(layers, int):
+            raise ValueError("sparse_fx: the model config has no num_hidden_layers")
+        types = getattr(text, "layer_types", None)
+        if types is None and isinstance(getattr(text, "sliding_window", None), int):
+            types = ["sliding_attention"] * layers  # e.g. Mistral: one window for every layer
+        sliding = frozenset(i for i, t in enumerate(types or ()) if "sliding" in str(t) or "local" in str(t))
+        q_heads = getattr(text, "num_attention_heads", None)
+        head_dim = getattr(text, "head_dim", None)
+        if not isinstance(head_dim, int):
+            hidden = getattr(text, "hidden_size", None)
+            head_dim = hidden // q_heads if isinstance(hidden, int) and isinstance(q_heads, int) and q_heads else None
+        kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
+        return cls(getattr(text, "model_type", type(model).__name__), layers, q_heads, kv_heads, head_dim, sliding,
+                   getattr(text, "qk_head_dim", None) is not None)
+
+    def fingerprint(self, model: torch.nn.Module) -> dict:
+        """Shapes and a digest of the weights: what trained encoders must match."""
+        return {
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "q_heads": self.q_heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "weights": weights_digest(model),
+        }
+
+
+def weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
+    """A digest of the weights that survives a change of dtype or device: per parameter (by name)
+    its shape and the mean and spread of an evenly strided sample, to four significant digits."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda np: np[0]):
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // sample)
+            x = flat[::step][:sample].float()
+            spread = float(x.std()) if x.numel() > 1 else 0.0
+            h.update(f"{name}:{tuple(p.shape)}:{float(x.mean()):.4g}:{spread:.4g};".encode())
+    return h.hexdigest()[:16]
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def use_sdpa(model: torch.nn.Module) -> str | None:
+    """Put the model on PyTorch's scaled_dot_product_attention, the call the pass rewrites; returns
+    the implementation it replaced (None when it was SDPA already). Raises when the model cannot."""
+    current = attention_implementation(model)
+    if current in (None, SDPA):
+        return None
+    if not getattr(model, "_supports_sdpa", False):
+        raise ValueError(f"sparse_fx: this model uses attn_implementation={current!r} and does not support 'sdpa', "
+                         "the attention call sparse_fx rewrites; load a model class that supports "
+                         "attn_implementation='sdpa'")
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(SDPA)
+    else:
+        model.config._attn_implementation = SDPA
+    return current
