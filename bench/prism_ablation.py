@@ -26,20 +26,17 @@ import sys
 import time
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
 
-import torch  # noqa: E402
-
-import sparse_fx  # noqa: E402
-from sparse_fx.models import load_model  # noqa: E402
+import sparse_fx
+from sparse_fx.models import load_model
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def harness():
-    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
+    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality_sweep.py")
     q = importlib.util.module_from_spec(spec)
     sys.modules["quality"] = q  # its dataclasses look their module up
     spec.loader.exec_module(q)

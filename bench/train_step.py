@@ -22,12 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
 
-import torch  # noqa: E402
-
-from sparse_fx.train import WINDOWS, TrainConfig, Window, train_on_windows  # noqa: E402
+from sparse_fx.train import WINDOWS, TrainConfig, Window, train_on_windows
 
 
 def windows(device: str, n: int = 2, layers: int = 30, hq: int = 9, hkv: int = 3, T: int = 8192, S: int = 1024, D: int = 64):

@@ -1,4 +1,4 @@
-"""The quality harness (bench/quality.py) on SmolLM2, reduced: fails on a clear quality regression.
+"""The quality harness (bench/quality_sweep.py) on SmolLM2, reduced: fails on a clear quality regression.
 
 Two runs at context 512 (sink 32 + local 32, 2 held-out windows x 32 teacher-forced steps, 2
 passkey trials at 2 depths): every plan at sparsity 4, and oracle with a budget covering the
@@ -35,7 +35,7 @@ def load_bench(name: str):
 
 @pytest.fixture(scope="module")
 def harness():
-    return load_bench("quality")
+    return load_bench("quality_sweep")
 
 
 def settings(q, **overrides):
@@ -109,10 +109,10 @@ def test_outputs_are_written(reduced):
 
 @pytest.mark.parametrize("plan", ["oracle", "hash"])
 def test_one_pass_teacher_forcing_equals_the_harness(smollm2, harness, reduced, plan):
-    """bench/agreement.py scores many tokens in one masked forward pass instead of decoding them:
+    """bench/teacher_agreement.py scores many tokens in one masked forward pass instead of decoding them:
     on the harness's windows and tokens it must give the harness's agreement and CE delta."""
     rows, _, _ = reduced
-    agreement = load_bench("agreement")
+    agreement = load_bench("teacher_agreement")
     model, tok = smollm2
     s = settings(harness)
     plans = {plan: agreement.sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local)}

@@ -16,9 +16,9 @@ layer's data in L2) is captured in a CUDA graph and replayed; medians of several
 breakdown (score / select / attention) from graphs of each stage alone. A bytes model per step and
 the achieved bandwidth against a device-to-device copy measured in the same run.
 
-  python bench/kernels.py                 # H200: ~8 minutes; writes bench/results/kernels-<date>.json + .png
-  python bench/kernels.py --contexts 32768 --batches 1 --budgets 4096      # a slice
-  python bench/kernels.py --smoke         # CPU under TRITON_INTERPRET=1, tiny shapes, prints only
+  python bench/kernel_step.py                 # H200: ~8 minutes; writes bench/results/kernels-<date>.json + .png
+  python bench/kernel_step.py --contexts 32768 --batches 1 --budgets 4096      # a slice
+  python bench/kernel_step.py --smoke         # CPU under TRITON_INTERPRET=1, tiny shapes, prints only
 """
 
 from __future__ import annotations
@@ -536,7 +536,7 @@ def main() -> None:
         run_smoke(a)
         return
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for the CPU interpreter check)")
+        sys.exit("bench/kernel_step.py needs a CUDA GPU (or --smoke for the CPU interpreter check)")
     res = run_gpu(a)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"kernels-{stamp}.json")

@@ -20,8 +20,8 @@ plain model into a StaticCache whose contents are then copied into place for eve
 (`sparse_fx.attach_cache` writes the side caches from it). One compiled model per config, reused
 for every window and prompt: nothing recompiles.
 
-  python bench/quality.py --plans dense,oracle,hash,prism-g4,static-g4 --contexts 2048,4096,8192 --sparsity 16,32
-  python bench/quality.py --contexts 512 --sparsity 1,4 --sink 32 --local 32 --decode-tokens 32 \\
+  python bench/quality_sweep.py --plans dense,oracle,hash,prism-g4,static-g4 --contexts 2048,4096,8192 --sparsity 16,32
+  python bench/quality_sweep.py --contexts 512 --sparsity 1,4 --sink 32 --local 32 --decode-tokens 32 \\
       --passkey-trials 2 --depths 20,80 --tag smoke --out /tmp/q      # a few minutes
 Writes <out>/quality-<tag>.json, .md and quality-<tag>-<metric>.png (default out: bench/results).
 """
@@ -39,17 +39,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-# Run as a script, bench/ is sys.path[0] and its kernels.py would shadow the `kernels` package that
-# transformers probes for (it then parses our command line as its own): look in bench/ for nothing.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import sparse_fx  # noqa: E402
-from sparse_fx.data import passkey_prompt, token_windows  # noqa: E402
-from sparse_fx.models import load_model  # noqa: E402
+import sparse_fx
+from sparse_fx.data import passkey_prompt, token_windows
+from sparse_fx.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PLOTTED = {  # metric -> (label, where it lives in a row)
@@ -561,7 +556,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     s = settings_from(a)
     model, tok = load_model(device=device)
-    command = "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python bench/quality_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
 
     def checkpoint(rows, contexts):  # an interrupted long run keeps what it measured

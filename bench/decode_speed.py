@@ -7,8 +7,8 @@ Decode speed does not depend on weight or cache values, so caches are filled wit
 values instead of running a 128K prefill per method; time to first token is measured with real
 prefills at batch 1.
 
-    python bench/decode.py                      # the whole matrix (H200: about 10 minutes)
-    python bench/decode.py --contexts 32768 --batches 1 --methods dense,hash --steps 32
+    python bench/decode_speed.py                      # the whole matrix (H200: about 10 minutes)
+    python bench/decode_speed.py --contexts 32768 --batches 1 --methods dense,hash --steps 32
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/decode.py needs a CUDA GPU")
+        raise SystemExit("bench/decode_speed.py needs a CUDA GPU")
     torch._dynamo.config.recompile_limit = 64  # one compiled graph per (method, batch, context)
     from transformers import AttentionInterface
 
@@ -200,7 +200,7 @@ def save(rows: list[dict], configs, args, complete: bool) -> None:
         for r in same:
             r["speedup_vs_best_dense"] = r["tokens_per_s"] / best if best else None
     meta = {
-        "command": "python bench/decode.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": "python bench/decode_speed.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
         "python": platform.python_version(), "complete": complete,
     }

@@ -5,15 +5,15 @@
    (timed), then variants on the same tokens: the paper's recipe (per-query-head labels and loss,
    no sink/local exclusion), per-query-head keys, and the defaults at each --also-train-at length
    (fewer, longer windows). Saved beside --encoders as <dir>-paper-recipe and <dir>-trained-at-<n>,
-   for bench/agreement.py.
+   for bench/teacher_agreement.py.
 2. Selection recall@32 on held-out windows at each context and sparsity: the top n/s keys by
    Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
    learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle; then again with the
    plan's sink and local keys always kept, the score choosing only among the keys between them.
-3. Model level, through the quality harness (bench/quality.py): next-token agreement and
+3. Model level, through the quality harness (bench/quality_sweep.py): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
-    python bench/signatures.py --device cuda --skip-harness   # minutes on a GPU; over an hour on 2 CPU cores
+    python bench/learned_signatures.py --device cuda --skip-harness   # minutes on a GPU; over an hour on 2 CPU cores
 Writes bench/results/signatures.json, signatures.md and signatures-recall.png; the encoders go to
 --encoders (default ~/.cache/sparse_fx/encoders/smollm2-b32, not committed: weights).
 """
@@ -29,17 +29,14 @@ import platform
 import sys
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
 
-import torch  # noqa: E402
-
-import sparse_fx  # noqa: E402
-from sparse_fx.data import token_windows  # noqa: E402
-from sparse_fx.lowering.reference import hamming_scores, pack_signs  # noqa: E402
-from sparse_fx.models import cache_root, load_model  # noqa: E402
-from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer  # noqa: E402
-from sparse_fx.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall  # noqa: E402
+import sparse_fx
+from sparse_fx.data import token_windows
+from sparse_fx.lowering.reference import hamming_scores, pack_signs
+from sparse_fx.models import cache_root, load_model
+from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer
+from sparse_fx.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -85,7 +82,7 @@ def main() -> None:
         return
     torch.manual_seed(0)
     if a.device != "cpu" and not a.skip_harness:
-        ap.error("--device other than cpu needs --skip-harness (bench/agreement.py measures the model level on a GPU)")
+        ap.error("--device other than cpu needs --skip-harness (bench/teacher_agreement.py measures the model level on a GPU)")
     model, tok = load_model(device=a.device)
     contexts = [int(x) for x in a.contexts.split(",")]
     fractions = [1 / int(x) for x in a.sparsity.split(",")]
@@ -143,7 +140,7 @@ def main() -> None:
     if not a.skip_harness:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
+        spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality_sweep.py")
         quality = importlib.util.module_from_spec(spec)
         sys.modules["quality"] = quality  # its dataclasses look their module up
         spec.loader.exec_module(quality)
@@ -191,7 +188,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {t['windows']} x {t['config']['context']} | {t['capture_s']:.0f} s | {t['total_s']:.0f} s | "
                      f"{t['loss_history'][0]:.4f} -> {t['loss_history'][-1]:.4f} |")
     if "harness" in report:
-        lines += ["", "Model level (bench/quality.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
+        lines += ["", "Model level (bench/quality_sweep.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
                   "| plan | context | sparsity | agreement | CE delta | recall@32 |", "|---|---|---|---|---|---|"]
         for r in report["harness"]["rows"]:
             rec = r["probes"].get("recall", {}).get("mean")

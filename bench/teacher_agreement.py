@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Next-token agreement and cross-entropy delta vs dense over many tokens: teacher forcing in one pass.
 
-The quality harness (bench/quality.py) decodes token by token through the compiled model: the
+The quality harness (bench/quality_sweep.py) decodes token by token through the compiled model: the
 product's path, but about 90 s per 256 tokens of one plan at 4K on 2 CPU cores, so its model-level
 numbers rest on one window of 256 tokens, where one token is 0.4%. Teacher-forced sparse decoding
 is one forward pass in which each of the last `span` positions attends only to what the plan would
@@ -14,7 +14,7 @@ window and tokens it gives the harness's numbers (tests/test_quality.py checks i
 Plans: dense, oracle, hash, hash-b<bits>, plan files; `--encoders DIR` adds learned `hash` per DIR.
 Prism and static plans are not supported (their INT2 proposal layers need the runtime's caches).
 
-    python bench/agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
+    python bench/teacher_agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
 Writes bench/results/agreement.json, agreement.md and agreement.png (--out names the .json).
 """
 
@@ -30,20 +30,17 @@ import sys
 import time
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
-
-import sparse_fx  # noqa: E402
-from sparse_fx.data import token_windows  # noqa: E402
-from sparse_fx.models import load_model  # noqa: E402
-from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp  # noqa: E402
-from sparse_fx.runtime.state import Encoders  # noqa: E402
-from sparse_fx.train import fingerprint, oracle_scores  # noqa: E402
+import sparse_fx
+from sparse_fx.data import token_windows
+from sparse_fx.models import load_model
+from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp
+from sparse_fx.runtime.state import Encoders
+from sparse_fx.train import fingerprint, oracle_scores
 
 RESULTS = Path(__file__).parent / "results"
 ATTENTION = "sparse_fx_teacher_mask"
@@ -54,7 +51,7 @@ class Selector:
 
     def __init__(self, plan: sparse_fx.Plan, model, budget: int):
         if plan.method not in ("oracle", "hash"):
-            raise ValueError(f"bench/agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
+            raise ValueError(f"bench/teacher_agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
         c = model.config
         self.plan, self.budget = plan, budget
         self.roles = plan.layer_roles(c.num_hidden_layers)
