@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a command on a lent GPU machine, which has its own torch / triton / transformers and no
 # network: lay the package out as it installs (sparse_fx, sparse_fx.lowering, sparse_fx.runtime)
-# under /tmp and put it on PYTHONPATH. Usage: bash bench/gpu.sh python3 bench/kernels.py ...
+# under /tmp and put it on PYTHONPATH. Usage: bash bench/gpu.sh python3 bench/kernel_step.py ...
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 pkg=/tmp/sparse_fx_pkg

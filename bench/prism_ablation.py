@@ -3,7 +3,7 @@
 refinement, with uniform and calibrated layer roles, group-4 and group-9, rho and budget sweeps.
 
 1. Calibrate roles (`sparse_fx.calibrate`, greedy on decode cross-entropy, training split) for
-   prism and static at group 4 and 9; the plans are written to bench/results/plans/.
+   prism and static at group 4 and 9; the plans are written to <out>/plans/.
 2. Main table through the quality harness (held-out text, contexts 4K and 8K, sparsity 16):
    per-layer INT2 selection (prism-g1: every layer proposes), static reuse and proposal-refine,
    uniform and calibrated, group 4 and 9: next-token agreement, cross-entropy delta, pool recall,
@@ -11,68 +11,49 @@ refinement, with uniform and calibrated layer roles, group-4 and group-9, rho an
 3. Sweeps without passkey: rho in {1, 2, 4, 8} and sparsity {8, 16, 32} for calibrated prism-g4.
 
     python bench/prism_ablation.py            # several hours on 2 CPU cores; --quick for a smoke run
-Writes bench/results/prism-ablation.json / .md / .png.
+Writes <out>/prism-ablation.json / .md / .png (calibrated plans in <out>/plans/).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import importlib.util
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import sparse_fx
+from sparse_fx import harness
+from sparse_fx.models import load_model
 
-import torch  # noqa: E402
-
-import sparse_fx  # noqa: E402
-from sparse_fx.models import load_model  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def harness():
-    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
-    q = importlib.util.module_from_spec(spec)
-    sys.modules["quality"] = q  # its dataclasses look their module up
-    spec.loader.exec_module(q)
-    return q
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="4096,8192")
-    ap.add_argument("--sparsity", type=int, default=16)
-    ap.add_argument("--calib-context", type=int, default=2048)
-    ap.add_argument("--calib-windows", type=int, default=4)
-    ap.add_argument("--calib-steps", type=int, default=16)
-    ap.add_argument("--passkey-trials", type=int, default=10)
-    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--contexts", default="4096,8192", help="contexts of the main table and the sweeps")
+    ap.add_argument("--sparsity", type=int, default=16, help="budget = context // sparsity")
+    ap.add_argument("--calib-context", type=int, default=2048, help="tokens per calibration window")
+    ap.add_argument("--calib-windows", type=int, default=4, help="calibration windows (training split)")
+    ap.add_argument("--calib-steps", type=int, default=16, help="teacher-forced decode steps per calibration window")
+    ap.add_argument("--passkey-trials", type=int, default=10, help="passkey trials per depth (main table)")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="teacher-forced sparse decode steps per window")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline in minutes")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json")
+    benchlib.add_out(ap, render=True)
     a = ap.parse_args()
     if a.render:
-        report = json.loads((Path(a.out) / "prism-ablation.json").read_text())
-        print(save(report, Path(a.out), final=report.get("complete", False)))
+        report = benchlib.load(a.out, "prism-ablation")
+        print(save(report, a.out, final=report.get("complete", False)))
         return
     if a.quick:
         a.contexts, a.calib_context, a.calib_windows, a.calib_steps = "1024", 512, 1, 4
         a.passkey_trials, a.decode_tokens = 1, 16
     contexts = [int(x) for x in a.contexts.split(",")]
-    out = Path(a.out)
+    out = a.out
     plans_dir = out / "plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_model()
-    q = harness()
-    report = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    report = {"meta": benchlib.header(a)}
 
     # 1. calibration: budget at the table's sparsity for the calibration context
     budget = a.calib_context // a.sparsity
@@ -96,9 +77,9 @@ def main() -> None:
     main_plans = ["dense", "prism-g1"]
     for group in (4, 9):
         main_plans += [f"static-g{group}", calibrated[("static", group)], f"prism-g{group}", calibrated[("prism", group)]]
-    s = q.Settings(plans=main_plans, contexts=contexts, sparsities=[a.sparsity], passkey_trials=a.passkey_trials,
+    s = harness.Settings(plans=main_plans, contexts=contexts, sparsities=[a.sparsity], passkey_trials=a.passkey_trials,
                    decode_tokens=a.decode_tokens)
-    report["main"] = q.run(model, tok, s)
+    report["main"] = harness.run(model, tok, s)
     save(report, out, final=False)
 
     # 3. sweeps on calibrated prism-g4 (and its static twin for the budget sweep)
@@ -108,13 +89,13 @@ def main() -> None:
         path = plans_dir / f"smollm2-prism-g4-calibrated-rho{int(rho)}.json"
         dataclasses.replace(base, rho=rho).save(path)
         rho_plans.append(str(path))
-    s = q.Settings(plans=rho_plans, contexts=contexts, sparsities=[a.sparsity], passkey_trials=0, depths=[],
+    s = harness.Settings(plans=rho_plans, contexts=contexts, sparsities=[a.sparsity], passkey_trials=0, depths=[],
                    decode_tokens=a.decode_tokens)
-    report["rho_sweep"] = q.run(model, tok, s)
+    report["rho_sweep"] = harness.run(model, tok, s)
     save(report, out, final=False)
-    s = q.Settings(plans=[calibrated[("prism", 4)], calibrated[("static", 4)]], contexts=contexts,
+    s = harness.Settings(plans=[calibrated[("prism", 4)], calibrated[("static", 4)]], contexts=contexts,
                    sparsities=[8, 16, 32], passkey_trials=0, depths=[], decode_tokens=a.decode_tokens)
-    report["budget_sweep"] = q.run(model, tok, s)
+    report["budget_sweep"] = harness.run(model, tok, s)
 
     print(save(report, out, final=True))
 
@@ -122,12 +103,8 @@ def main() -> None:
 def save(report: dict, out: Path, final: bool) -> str:
     """Write the JSON and table after each section, so that an interrupted run keeps its numbers."""
     report["complete"] = final
-    text = json.dumps(report, indent=1, default=str).replace(str(ROOT) + os.sep, "")  # plan files: repo-relative
-    (out / "prism-ablation.json").write_text(text)
-    md = markdown(report)
-    (out / "prism-ablation.md").write_text(md)
-    if final:
-        plot(report, out / "prism-ablation.png")
+    md = markdown(report)  # plan files in it and in the JSON become repo-relative (benchlib.save)
+    benchlib.save(out, "prism-ablation", report, markdown=md, plot=(lambda png: plot(report, png)) if final else None)
     return md
 
 
@@ -167,24 +144,16 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchlib.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [r for r in _rows(report["rho_sweep"]) if isinstance(r.get("teacher"), dict)]
     for ctx in sorted({r["context"] for r in rows}):
-        pts = sorted((float(json.loads((ROOT / r["plan"]).read_text())["rho"]) if str(r["plan"]).endswith(".json") else 0,
+        pts = sorted((float(json.loads((benchlib.ROOT / r["plan"]).read_text())["rho"]) if str(r["plan"]).endswith(".json") else 0,
                       r["teacher"]["agreement"]) for r in rows if r["context"] == ctx)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"context {ctx}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("rho (pool = rho x budget)")
-    ax.set_ylabel("next-token agreement with dense")
-    ax.set_title("calibrated prism-g4, sparsity 16")
+    benchlib.axes(ax, "rho (pool = rho x budget)", "next-token agreement with dense", "calibrated prism-g4, sparsity 16")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    benchlib.savefig(fig, path)
 
 
 if __name__ == "__main__":

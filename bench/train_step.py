@@ -4,30 +4,25 @@ head dim 64, windows of 8192 tokens), on the CPU and on CUDA when present, for s
 step's query-key pairs. The step's cost does not depend on the values, so the windows are random.
 
     python bench/train_step.py                   # CPU and, if present, CUDA
-    bash bench/gpu.sh python3 bench/train_step.py --devices cuda --end-to-end config.json --out-json $OUT/t.json
+    bash bench/gpu.sh python3 bench/train_step.py --devices cuda --end-to-end config.json --out $OUT
 --end-to-end also times `train_signatures` with its defaults (its windows and context, random tokens) on a
 randomly initialised model built from a Hugging Face config.json (SmolLM2-135M's: the time does not
-depend on the weights), where the first device is. Writes bench/results/train-step-<devices>.json.
+depend on the weights), where the first device is. Writes <out>/train-step-<devices>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
 
-import torch  # noqa: E402
+from sparse_fx.train import WINDOWS, TrainConfig, Window, train_on_windows
 
-from sparse_fx.train import WINDOWS, TrainConfig, Window, train_on_windows  # noqa: E402
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
 
 def windows(device: str, n: int = 2, layers: int = 30, hq: int = 9, hkv: int = 3, T: int = 8192, S: int = 1024, D: int = 64):
@@ -88,8 +83,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed runs take this many steps and twice as many")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--end-to-end", default=None, metavar="CONFIG_JSON")
-    ap.add_argument("--out-json", default=None)
+    benchlib.add_out(ap)
     a = ap.parse_args()
+    meta = benchlib.header(a)
     rows, end_to_end = [], None
     for device in a.devices.split(","):
         data = windows(device)
@@ -102,14 +98,8 @@ def main() -> None:
     if a.end_to_end:
         end_to_end = train_signatures_seconds(a.end_to_end, a.devices.split(",")[0])
         print(json.dumps(end_to_end), flush=True)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    report = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus", "gpu": gpu, "threads": torch.get_num_threads(),
-              "rows": rows, "end_to_end": end_to_end}
-    tag = "-".join(sorted({r["device"] for r in rows}))
-    out = Path(a.out_json) if a.out_json else Path(__file__).parent / "results" / f"train-step-{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    report = {"meta": meta, "threads": torch.get_num_threads(), "rows": rows, "end_to_end": end_to_end}
+    benchlib.save(a.out, "train-step-" + "-".join(sorted({r["device"] for r in rows})), report)
     print("\n| device | queries x keys | s/step | 1000 steps |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['device']} | {r['queries']} x {r['keys']} | {r['s_per_step_median']:.4f} | {r['default_1000_steps_s']:.0f} s |")

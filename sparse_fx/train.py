@@ -11,7 +11,7 @@ sum of their Hamming similarities (one key encoder per KV head, what the runtime
 attention mass summed over its query heads (the oracle plan's score); and the first `sink` and
 last `local` keys, which the plan keeps whatever they score, are neither labels nor negatives.
 `labels="query"` with sink = local = 0 is the paper's recipe (each query head's own top keys and
-logit); it leaves model-level agreement 0.5-1.7 points lower at 2K-8K (bench/NOTES.md, session 8).
+logit); it leaves model-level agreement 0.5-1.7 points lower at 2K-8K (bench/NOTES.md, Signatures).
 `key_sharing="query"` trains one key encoder per query head, each query head selecting for itself.
 
 All layers train at once: (layer, head) pairs are one batch dimension of the per-head MLPs. A step
@@ -50,7 +50,7 @@ class TrainConfig:
     steps: int = 1000  # Adam steps (linear warm-up, cosine decay)
     # Per step, from one window: 128 queries x 512 keys learns as much per step as 64 x 1024 (the
     # same query-key pairs) and costs 0.63 s instead of 0.91 on 2 CPU cores: the key MLPs, which run
-    # over every KV head of every layer, dominate the step (bench/NOTES.md, session 6).
+    # over every KV head of every layer, dominate the step (bench/NOTES.md, Signatures).
     batch_queries: int = 128  # queries per step
     batch_keys: int = 512  # keys per step, sampled uniformly from the window
     lr: float = 2e-3

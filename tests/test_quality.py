@@ -1,4 +1,4 @@
-"""The quality harness (bench/quality.py) on SmolLM2, reduced: fails on a clear quality regression.
+"""The quality harness (`sparse_fx.harness`) on SmolLM2, reduced: fails on a clear quality regression.
 
 Two runs at context 512 (sink 32 + local 32, 2 held-out windows x 32 teacher-forced steps, 2
 passkey trials at 2 depths): every plan at sparsity 4, and oracle with a budget covering the
@@ -6,12 +6,15 @@ context, which must be dense to the token. About 3 minutes on 2 CPU cores.
 """
 
 import copy
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
+
+import sparse_fx
+from sparse_fx import harness
 
 pytestmark = pytest.mark.model
 
@@ -22,42 +25,39 @@ N = 512
 # prism-g4 98.4%, static-g4 95.3%; recall@32 0.995 / 0.802 / 0.985 / 0.844.
 AGREEMENT_FLOOR = {"oracle": 0.90, "hash": 0.75, "prism-g4": 0.85, "static-g4": 0.80}
 RECALL_FLOOR = {"oracle": 0.95, "hash": 0.65, "prism-g4": 0.90, "static-g4": 0.70}
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def load_bench(name: str):
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"sparse_fx_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+def bench_script(name: str):
+    """A bench script as a module, imported as it imports its neighbours: with bench/ on sys.path."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    return importlib.import_module(name)
 
 
-@pytest.fixture(scope="module")
-def harness():
-    return load_bench("quality")
-
-
-def settings(q, **overrides):
+def settings(**overrides):
     base = dict(plans=PLANS, contexts=[N], sparsities=[4], sink=32, local=32, decode_tokens=32, windows=2,
                 depths=[20, 80], passkey_trials=2, passkey_offset=4, answer_tokens=7, probe_passkey=True)
-    return q.Settings(**{**base, **overrides})
+    return harness.Settings(**{**base, **overrides})
 
 
 @pytest.fixture(scope="module")
-def reduced(smollm2, harness, tmp_path_factory):
+def reduced(smollm2, tmp_path_factory):
     model, tok = smollm2
-    s = settings(harness)
+    s = settings()
     results = harness.run(copy.deepcopy(model), tok, s, progress=False)
+    cli = bench_script("quality_sweep")
     out = tmp_path_factory.mktemp("quality")
-    paths = harness.write_outputs(harness.describe(model, s, "pytest tests/test_quality.py", "ci", results), str(out), "ci")
+    argv = ["--tag", "ci", "--out", str(out)]
+    doc = cli.document(model, cli.parse_args(argv), s, results, argv=[cli.__file__, *argv])
+    paths = cli.write_outputs(doc, out, "ci")
     return {(r["plan"], r["sparsity"]): r for r in results["rows"]}, results, paths
 
 
-def test_budget_covering_the_context_is_dense(smollm2, harness):
+def test_budget_covering_the_context_is_dense(smollm2):
     """oracle at sparsity 1 (budget = n) must pick every token: dense to the token and the nat."""
     model, tok = smollm2
-    s = settings(harness, plans=["oracle"], sparsities=[1], windows=1, depths=[50], passkey_trials=1)
+    s = settings(plans=["oracle"], sparsities=[1], windows=1, depths=[50], passkey_trials=1)
     results = harness.run(copy.deepcopy(model), tok, s, progress=False)
     (row,) = results["rows"]
     assert row["teacher"]["agreement"] == 1.0
@@ -99,7 +99,8 @@ def test_outputs_are_written(reduced):
     assert "quality-ci.json" in names and "quality-ci.md" in names
     assert {"quality-ci-recall.png", "quality-ci-agreement.png", "quality-ci-passkey.png"} <= set(names)
     data = json.loads(Path(paths[0]).read_text())
-    assert data["versions"]["torch"] and len(data["rows"]) == 5
+    assert data["meta"]["versions"]["torch"] and data["meta"]["command"].startswith("python bench/quality_sweep.py --tag ci")
+    assert len(data["rows"]) == 5
     assert len(data["rows"][1]["probes"]["recall"]["per_layer"]) == 30
     md = Path(paths[1]).read_text()
     assert "128+32+32" in md and "| oracle | 1/4 |" in md
@@ -108,14 +109,14 @@ def test_outputs_are_written(reduced):
 
 
 @pytest.mark.parametrize("plan", ["oracle", "hash"])
-def test_one_pass_teacher_forcing_equals_the_harness(smollm2, harness, reduced, plan):
-    """bench/agreement.py scores many tokens in one masked forward pass instead of decoding them:
+def test_one_pass_teacher_forcing_equals_the_harness(smollm2, reduced, plan):
+    """bench/teacher_agreement.py scores many tokens in one masked forward pass instead of decoding them:
     on the harness's windows and tokens it must give the harness's agreement and CE delta."""
     rows, _, _ = reduced
-    agreement = load_bench("agreement")
+    agreement = bench_script("teacher_agreement")
     model, tok = smollm2
-    s = settings(harness)
-    plans = {plan: agreement.sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local)}
+    s = settings()
+    plans = {plan: sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local)}
     ours = agreement.evaluate(model, tok, plans, N, 4, windows=s.windows, span=s.decode_tokens, seed=s.seed)["plans"][plan]
     theirs = rows[(plan, 4)]["teacher"]
     assert sum(ours["per_window"]["agreement"]) / s.windows == pytest.approx(theirs["agreement"], abs=1e-9)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Next-token agreement and cross-entropy delta vs dense over many tokens: teacher forcing in one pass.
 
-The quality harness (bench/quality.py) decodes token by token through the compiled model: the
+The quality harness (`sparse_fx.harness`) decodes token by token through the compiled model: the
 product's path, but about 90 s per 256 tokens of one plan at 4K on 2 CPU cores, so its model-level
 numbers rest on one window of 256 tokens, where one token is 0.4%. Teacher-forced sparse decoding
 is one forward pass in which each of the last `span` positions attends only to what the plan would
@@ -14,38 +14,31 @@ window and tokens it gives the harness's numbers (tests/test_quality.py checks i
 Plans: dense, oracle, hash, hash-b<bits>, plan files; `--encoders DIR` adds learned `hash` per DIR.
 Prism and static plans are not supported (their INT2 proposal layers need the runtime's caches).
 
-    python bench/agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
-Writes bench/results/agreement.json, agreement.md and agreement.png (--out names the .json).
+    python bench/teacher_agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
+Writes <out>/agreement.json, .md and .png (agreement-<tag>.* with --tag).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
+import sparse_fx
+from sparse_fx.data import token_windows
+from sparse_fx.models import load_model
+from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp
+from sparse_fx.runtime.state import Encoders
+from sparse_fx.train import fingerprint, oracle_scores
 
-import sparse_fx  # noqa: E402
-from sparse_fx.data import token_windows  # noqa: E402
-from sparse_fx.models import load_model  # noqa: E402
-from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp  # noqa: E402
-from sparse_fx.runtime.state import Encoders  # noqa: E402
-from sparse_fx.train import fingerprint, oracle_scores  # noqa: E402
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
-RESULTS = Path(__file__).parent / "results"
 ATTENTION = "sparse_fx_teacher_mask"
 
 
@@ -54,7 +47,7 @@ class Selector:
 
     def __init__(self, plan: sparse_fx.Plan, model, budget: int):
         if plan.method not in ("oracle", "hash"):
-            raise ValueError(f"bench/agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
+            raise ValueError(f"bench/teacher_agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
         c = model.config
         self.plan, self.budget = plan, budget
         self.roles = plan.layer_roles(c.num_hidden_layers)
@@ -177,7 +170,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8, help="held-out windows per context")
     ap.add_argument("--span", type=int, default=1024, help="positions scored per window (the last ones)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
-    ap.add_argument("--out", default=str(RESULTS / "agreement.json"))
+    ap.add_argument("--tag", default="", help="names the outputs agreement-<tag>.* (default: agreement.*)")
+    benchlib.add_out(ap)
     a = ap.parse_args()
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
@@ -185,27 +179,22 @@ def main() -> None:
     if not 0 < a.span < min(contexts) or a.windows < 1:
         ap.error(f"--span must lie in 1..{min(contexts) - 1} (below the shortest context) and --windows be >= 1")
     model, tok = load_model(device=device)
-    report = {"command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} {os.cpu_count()} cpus",
-              "runs": []}
+    report = {"meta": benchlib.header(a), "runs": []}
     t0 = time.perf_counter()
     for n in contexts:
         for sp in [int(x) for x in a.sparsity.split(",")]:
             report["runs"].append(evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True))
             print(markdown(report), flush=True)
     report["seconds"] = time.perf_counter() - t0
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1).replace(str(Path.home()), "~"))
-    out.with_suffix(".md").write_text(markdown(report).replace(str(Path.home()), "~"))
-    plot(report, out.with_suffix(".png"))
+    stem = f"agreement-{a.tag}" if a.tag else "agreement"
+    benchlib.save(a.out, stem, report, markdown=markdown(report), plot=lambda png: plot(report, png))
     print(markdown(report))
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Teacher-forced agreement with dense (`{report['command']}`; {report['device']}, torch {report['torch']}, "
-             f"{report['date']}): mean over windows ± standard error; budget n/s + sink + local.", "",
+    meta = report["meta"]
+    lines = [f"Teacher-forced agreement with dense (`{meta['command']}`; {benchlib.where(meta)}, torch {meta['versions']['torch']}, "
+             f"{meta['date'][:10]}): mean over windows ± standard error; budget n/s + sink + local.", "",
              "| context | sparsity | plan | tokens | agreement | of oracle | CE delta |", "|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for name, r in run["plans"].items():
@@ -218,11 +207,7 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Agreement with dense vs context, one panel per sparsity, error bars of one standard error."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchlib.pyplot()
     sparsities = sorted({r["sparsity"] for r in report["runs"]})
     fig, axes = plt.subplots(1, len(sparsities), figsize=(5.5 * len(sparsities), 4.2), squeeze=False)
     for ax, sp in zip(axes[0], sparsities):
@@ -231,13 +216,9 @@ def plot(report: dict, path: Path) -> None:
             rows = [(r["context"], r["plans"][name]["agreement"]) for r in runs if name in r["plans"]]
             ax.errorbar([n for n, _ in rows], [100 * a["mean"] for _, a in rows], yerr=[100 * a["stderr"] for _, a in rows],
                         marker="o", capsize=3, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"sparsity 1/{sp}, budget n/{sp} + sink + local")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("next-token agreement with dense (%)")
+        benchlib.axes(ax, "context (tokens)", "next-token agreement with dense (%)", f"sparsity 1/{sp}, budget n/{sp} + sink + local")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    benchlib.savefig(fig, path)
 
 
 if __name__ == "__main__":

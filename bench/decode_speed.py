@@ -7,24 +7,23 @@ Decode speed does not depend on weight or cache values, so caches are filled wit
 values instead of running a 128K prefill per method; time to first token is measured with real
 prefills at batch 1.
 
-    python bench/decode.py                      # the whole matrix (H200: about 10 minutes)
-    python bench/decode.py --contexts 32768 --batches 1 --methods dense,hash --steps 32
+    python bench/decode_speed.py                      # the whole matrix (H200: about 10 minutes)
+    python bench/decode_speed.py --contexts 32768 --batches 1 --methods dense,hash --steps 32
+Writes <out>/decode-<date>.json (rows so far, after every configuration) and, when complete, .png.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import time
-from pathlib import Path
 
 import torch
 
 import sparse_fx
 
-RESULTS = Path(__file__).parent / "results"
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+
 METHODS = ("hf-default", "dense", "dense-gqa", "hash", "prism-g4")
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -167,10 +166,10 @@ def main() -> None:
     p.add_argument("--local", type=int, default=128)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--ttft", action="store_true", help="also time real prefills at batch 1")
-    p.add_argument("--out", default=str(RESULTS))
+    benchlib.add_out(p)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/decode.py needs a CUDA GPU")
+        raise SystemExit("bench/decode_speed.py needs a CUDA GPU")
     torch._dynamo.config.recompile_limit = 64  # one compiled graph per (method, batch, context)
     from transformers import AttentionInterface
 
@@ -180,6 +179,7 @@ def main() -> None:
     configs = [(b, n) for n in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
     if "32768" in args.contexts.split(",") and "16" not in args.batches.split(","):
         configs.append((16, 32768))
+    meta = benchlib.header(args)
     rows = []
     for batch, n in configs:
         for method in args.methods.split(","):
@@ -188,35 +188,19 @@ def main() -> None:
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)
-            save(rows, configs, args, complete=False)  # a run stopped at its time limit keeps its rows
-    save(rows, configs, args, complete=True)
+            save(rows, configs, args.out, meta, complete=False)  # a run stopped at its time limit keeps its rows
+    save(rows, configs, args.out, meta, complete=True)
     print_table(rows)
 
 
-def save(rows: list[dict], configs, args, complete: bool) -> None:
+def save(rows: list[dict], configs, out, meta: dict, complete: bool) -> None:
     for batch, n in configs:
         same = [r for r in rows if r["batch"] == batch and r["context"] == n and "tokens_per_s" in r]
         best = max((r["tokens_per_s"] for r in same if r["method"] in ("dense", "dense-gqa", "hf-default")), default=None)
         for r in same:
             r["speedup_vs_best_dense"] = r["tokens_per_s"] / best if best else None
-    meta = {
-        "command": "python bench/decode.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(), "complete": complete,
-    }
-    try:
-        import transformers
-        import triton
-
-        meta.update(triton=triton.__version__, transformers=transformers.__version__)
-    except ImportError:
-        pass
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"decode-{meta['date']}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if complete:
-        plot(rows, out / f"{stem}.png")
+    benchlib.save(out, f"decode-{meta['date'][:10]}", {"meta": meta, "complete": complete, "rows": rows},
+                  plot=(lambda path: plot(rows, path)) if complete else None)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -230,12 +214,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['step_ms']:>8.2f} {r['compile_s']:>9.1f} {r['peak_gib']:>8.1f}")
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, path) -> None:
+    plt = benchlib.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in ("hash", "prism-g4"):
         for batch in sorted({r["batch"] for r in rows}):
@@ -244,13 +224,9 @@ def plot(rows, path: Path) -> None:
             if pts:
                 ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"{method}, batch {batch}")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (K tokens)")
-    ax.set_ylabel("decode tokens/s vs best dense")
-    ax.set_title("Llama-3.1-8B shape, bf16, one H200")
+    benchlib.axes(ax, "context (K tokens)", "decode tokens/s vs best dense", "Llama-3.1-8B shape, bf16, one H200")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    benchlib.savefig(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

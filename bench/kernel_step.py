@@ -16,22 +16,22 @@ layer's data in L2) is captured in a CUDA graph and replayed; medians of several
 breakdown (score / select / attention) from graphs of each stage alone. A bytes model per step and
 the achieved bandwidth against a device-to-device copy measured in the same run.
 
-  python bench/kernels.py                 # H200: ~8 minutes; writes bench/results/kernels-<date>.json + .png
-  python bench/kernels.py --contexts 32768 --batches 1 --budgets 4096      # a slice
-  python bench/kernels.py --smoke         # CPU under TRITON_INTERPRET=1, tiny shapes, prints only
+  python bench/kernel_step.py                 # H200: ~8 minutes; writes <out>/kernels-<date>-<time>.json + .png
+  python bench/kernel_step.py --contexts 32768 --batches 1 --budgets 4096      # a slice
+  python bench/kernel_step.py --smoke         # CPU under TRITON_INTERPRET=1, tiny shapes, prints only
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
+
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
 SINK, LOCAL, RHO = 128, 128, 4
 
@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="print each kernel's time per step (torch.profiler)")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds; later measurements shrink or skip past it")
     p.add_argument("--mem-fraction", type=float, default=0.7, help="of free GPU memory a shape may use")
-    p.add_argument("--out", default=None, help="results JSON path (default bench/results/kernels-<date>.json)")
+    benchlib.add_out(p)
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes; prints only")
     return p.parse_args(argv)
 
@@ -341,16 +341,13 @@ def run_gpu(a) -> dict:
     dev = torch.device("cuda")
     ops = torch.ops.sparse_fx
     res = dict(
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        meta=benchlib.header(a),
         config=dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, sink=a.sink, local=a.local, rho=a.rho,
                     mask=a.mask, dtype="bfloat16"),
         copy_gbps=None, shapes=[],
     )
     res["copy_gbps"] = copy_bandwidth()
-    print(f"# {res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_gbps']:.0f} GB/s", flush=True)
+    print(f"# {res['meta']['gpu']}  torch {torch.__version__}  triton {triton.__version__}  copy {res['copy_gbps']:.0f} GB/s", flush=True)
     methods = ("hash", "prism")
     for L in a.contexts:
         for B in a.batches:
@@ -455,12 +452,8 @@ def summary_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(res: dict, path) -> None:
+    plt = benchlib.pyplot()
     budgets = list(dict.fromkeys(row["budget"] for sh in res["shapes"] for row in sh["sparse"]))
     fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(4.2 * max(1, len(budgets)), 3.6), squeeze=False)
     for ax, spec in zip(axes[0], budgets):
@@ -487,7 +480,7 @@ def plot(res: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("speedup vs SDPA enable_gqa (flash)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"sparse decode step per layer, {res['gpu']}", fontsize=9)
+    fig.suptitle(f"sparse decode step per layer, {res['meta']['gpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -536,19 +529,11 @@ def main() -> None:
         run_smoke(a)
         return
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for the CPU interpreter check)")
+        sys.exit("bench/kernel_step.py needs a CUDA GPU (or --smoke for the CPU interpreter check)")
     res = run_gpu(a)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"kernels-{stamp}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    png = os.path.splitext(out)[0] + ".png"
-    try:
-        plot(res, png)
-    except Exception as e:  # noqa: BLE001 (the JSON is the result; the plot is a convenience)
-        print(f"plot failed: {e}")
-    print(f"\nwrote {out} and {png}  ({elapsed():.0f} s)\n")
+    paths = benchlib.save(a.out, f"kernels-{stamp}", res, plot=lambda path: plot(res, path))
+    print(f"\nwrote {' and '.join(map(str, paths))}  ({elapsed():.0f} s)\n")
     print(summary_table(res))
 
 

@@ -5,16 +5,16 @@
    (timed), then variants on the same tokens: the paper's recipe (per-query-head labels and loss,
    no sink/local exclusion), per-query-head keys, and the defaults at each --also-train-at length
    (fewer, longer windows). Saved beside --encoders as <dir>-paper-recipe and <dir>-trained-at-<n>,
-   for bench/agreement.py.
+   for bench/teacher_agreement.py.
 2. Selection recall@32 on held-out windows at each context and sparsity: the top n/s keys by
    Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
    learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle; then again with the
    plan's sink and local keys always kept, the score choosing only among the keys between them.
-3. Model level, through the quality harness (bench/quality.py): next-token agreement and
+3. Model level, through the quality harness (`sparse_fx.harness`): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
-    python bench/signatures.py --device cuda --skip-harness   # minutes on a GPU; over an hour on 2 CPU cores
-Writes bench/results/signatures.json, signatures.md and signatures-recall.png; the encoders go to
+    python bench/learned_signatures.py --device cuda --skip-harness   # minutes on a GPU; over an hour on 2 CPU cores
+Writes <out>/signatures.json, signatures.md and signatures-recall.png; the encoders go to
 --encoders (default ~/.cache/sparse_fx/encoders/smollm2-b32, not committed: weights).
 """
 
@@ -22,26 +22,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import platform
-import sys
 from pathlib import Path
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers probes for
+import torch
 
-import torch  # noqa: E402
+import sparse_fx
+from sparse_fx import harness
+from sparse_fx.data import token_windows
+from sparse_fx.lowering.reference import hamming_scores, pack_signs
+from sparse_fx.models import cache_root, load_model
+from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer
+from sparse_fx.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall
 
-import sparse_fx  # noqa: E402
-from sparse_fx.data import token_windows  # noqa: E402
-from sparse_fx.lowering.reference import hamming_scores, pack_signs  # noqa: E402
-from sparse_fx.models import cache_root, load_model  # noqa: E402
-from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer  # noqa: E402
-from sparse_fx.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall  # noqa: E402
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def hamming_fn(layers):
@@ -76,23 +71,21 @@ def main() -> None:
     ap.add_argument("--harness-contexts", default=None, help="contexts of the model-level part (default: --contexts)")
     ap.add_argument("--skip-harness", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the harness part runs on the CPU only)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json")
+    benchlib.add_out(ap, render=True)
     a = ap.parse_args()
     if a.render:
-        report = json.loads((Path(a.out) / "signatures.json").read_text())
-        save(report, report["selection_recall_at_32"], Path(a.out))
+        report = benchlib.load(a.out, "signatures")
+        save(report, report["selection_recall_at_32"], a.out)
         return
     torch.manual_seed(0)
     if a.device != "cpu" and not a.skip_harness:
-        ap.error("--device other than cpu needs --skip-harness (bench/agreement.py measures the model level on a GPU)")
+        ap.error("--device other than cpu needs --skip-harness (bench/teacher_agreement.py measures the model level on a GPU)")
     model, tok = load_model(device=a.device)
     contexts = [int(x) for x in a.contexts.split(",")]
     fractions = [1 / int(x) for x in a.sparsity.split(",")]
     overrides = {k: v for k, v in (("steps", a.steps), ("context", a.train_context)) if v}
     cfg = TrainConfig(**overrides)
-    report = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "machine": torch.cuda.get_device_name(a.device) if a.device != "cpu" else f"{platform.machine()} {os.cpu_count()} cpus", "train_config": dataclasses.asdict(cfg)}
+    report = {"meta": benchlib.header(a), "train_config": dataclasses.asdict(cfg)}
 
     def train(name: str, cfg: TrainConfig, windows: int, out: str | None) -> list:
         """Train one variant on the train split (same tokens for every variant); save it to `out`."""
@@ -138,31 +131,22 @@ def main() -> None:
             print(n, kept, json.dumps(table[n]), flush=True)
     report["selection_recall_at_32"] = recall
     report["selection_recall_at_32_plan_windows"] = {"sink": fixed[0], "local": fixed[1], "recall": recall_fixed}
-    save(report, recall, Path(a.out))
+    save(report, recall, a.out)
 
     if not a.skip_harness:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("quality", Path(__file__).parent / "quality.py")
-        quality = importlib.util.module_from_spec(spec)
-        sys.modules["quality"] = quality  # its dataclasses look their module up
-        spec.loader.exec_module(quality)
         plan_file = Path(a.encoders) / "plan.json"
         sparse_fx.Plan.parse("hash", encoders=a.encoders).save(plan_file)
         harness_contexts = [int(x) for x in a.harness_contexts.split(",")] if a.harness_contexts else contexts
-        settings = quality.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=harness_contexts,
+        settings = harness.Settings(plans=["dense", "oracle", "hash", "hash-b256", str(plan_file)], contexts=harness_contexts,
                                     sparsities=[int(x) for x in (a.harness_sparsity or a.sparsity).split(",")],
                                     passkey_trials=0, depths=[])
-        report["harness"] = quality.run(model, tok, settings)
-        save(report, recall, Path(a.out))
+        report["harness"] = harness.run(model, tok, settings)
+        save(report, recall, a.out)
     print(markdown(report))
 
 
 def save(report: dict, recall: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "signatures.json").write_text(json.dumps(report, indent=1, default=str).replace(str(Path.home()), "~"))
-    (out / "signatures.md").write_text(markdown(report))
-    plot(recall, out / "signatures-recall.png")
+    benchlib.save(out, "signatures", report, markdown=markdown(report), plot=lambda png: plot(recall, png))
 
 
 def recall_table(rec: dict) -> list[str]:
@@ -184,14 +168,14 @@ def markdown(report: dict) -> str:
                   "(what the `hash` plan serves; the score decides only among the keys between them):", "",
                   *recall_table(w["recall"])]
     c = report["train_config"]
-    lines += ["", f"Training (`{report['command']}`; {report['machine']}; {c['steps']} Adam steps of "
+    lines += ["", f"Training (`{report['meta']['command']}`; {benchlib.where(report['meta'])}; {c['steps']} Adam steps of "
               f"{c['batch_queries']} queries x {c['batch_keys']} keys), each variant on the same tokens:", "",
               "| encoders | windows x tokens | capture | total | loss (first step -> last tenth) |", "|---|---|---|---|---|"]
     for name, t in report["train"].items():
         lines.append(f"| {name} | {t['windows']} x {t['config']['context']} | {t['capture_s']:.0f} s | {t['total_s']:.0f} s | "
                      f"{t['loss_history'][0]:.4f} -> {t['loss_history'][-1]:.4f} |")
     if "harness" in report:
-        lines += ["", "Model level (bench/quality.py, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
+        lines += ["", "Model level (the quality harness, teacher forcing over held-out text; budget n/s + 128 + 128):", "",
                   "| plan | context | sparsity | agreement | CE delta | recall@32 |", "|---|---|---|---|---|---|"]
         for r in report["harness"]["rows"]:
             rec = r["probes"].get("recall", {}).get("mean")
@@ -202,12 +186,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(recall: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(recall: dict, png: Path) -> list[Path]:
+    """Recall@32 vs context, one panel per sparsity; written as <stem>-recall.png beside `png`."""
+    plt = benchlib.pyplot()
     recall = {int(n): v for n, v in recall.items()}  # JSON turned the context keys into strings
     names = list(next(iter(recall.values())))
     fracs = list(next(iter(recall.values()))[names[0]])
@@ -215,13 +196,9 @@ def plot(recall: dict, path: Path) -> None:
     for ax, f in zip(axes[0], fracs):
         for name in names:
             ax.plot(list(recall), [recall[n][name][f] for n in recall], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"sparsity {f}")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("recall@32")
+        benchlib.axes(ax, "context (tokens)", "recall@32", f"sparsity {f}")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return [benchlib.savefig(fig, png.with_name(f"{png.stem}-recall.png"))]
 
 
 if __name__ == "__main__":

@@ -1,37 +1,38 @@
-#!/usr/bin/env python
-"""Quality harness: sparse_fx plans against dense attention on SmolLM2-135M-Instruct (offline).
+"""The quality harness: sparse_fx plans against dense attention on a real model, offline.
 
-Per plan x context x sparsity:
+Per plan x context x sparsity (`Settings`; `run` measures, `markdown` tabulates):
   probes     recall@k of each sparse layer's selection against the true attention top-k (mean and
              spread over layers and heads), attention mass kept, relative output error, Prism pool
              recall; recorded by the library's probes (`compile(..., measure=True)`)
   teacher    next-token agreement (argmax equal) and cross-entropy delta vs dense: dense prefill of
-             a held-out window, then --decode-tokens sparse decode steps fed the true tokens
+             a held-out window, then `decode_tokens` sparse decode steps fed the true tokens
   passkey    retrieval accuracy at several depths (>= 10 trials per cell, fixed seeds); dense
-             prefill of all but the last --passkey-offset prompt tokens, which are decoded sparsely
+             prefill of all but the last `passkey_offset` prompt tokens, which are decoded sparsely
              like the answer (default 1: every answer token comes from a sparse step; HashAttention's
              RULER protocol uses 32, which costs 32 more decode steps per trial and config)
 
 Budget protocol (HashAttention): at sparsity s and context n a sparse step attends to n // s tokens
-chosen by score plus the first --sink and last --local tokens.
+chosen by score plus the first `sink` and last `local` tokens.
 
 Cost on a CPU is dense prefills, so each text window or pass-key prompt is prefilled once by the
 plain model into a StaticCache whose contents are then copied into place for every plan x sparsity
 (`sparse_fx.attach_cache` writes the side caches from it). One compiled model per config, reused
 for every window and prompt: nothing recompiles.
 
-  python bench/quality.py --plans dense,oracle,hash,prism-g4,static-g4 --contexts 2048,4096,8192 --sparsity 16,32
-  python bench/quality.py --contexts 512 --sparsity 1,4 --sink 32 --local 32 --decode-tokens 32 \\
-      --passkey-trials 2 --depths 20,80 --tag smoke --out /tmp/q      # a few minutes
-Writes <out>/quality-<tag>.json, .md and quality-<tag>-<metric>.png (default out: bench/results).
+    from sparse_fx import harness
+    from sparse_fx.models import load_model
+    model, tok = load_model()
+    s = harness.Settings(plans=["dense", "hash"], contexts=[2048], sparsities=[16])
+    results = harness.run(model, tok, s)
+    print(harness.markdown(harness.describe(model, s, "mine", results)))
+
+The command line over it is `python bench/quality_sweep.py` (outputs, plots, provenance header).
+Uses only the public API plus `sparse_fx.data` (held-out text, pass-key prompts).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import json
 import os
 import platform
 import random
@@ -39,27 +40,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-# Run as a script, bench/ is sys.path[0] and its kernels.py would shadow the `kernels` package that
-# transformers probes for (it then parses our command line as its own): look in bench/ for nothing.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import sparse_fx
+from sparse_fx.data import passkey_prompt, token_windows
 
-import sparse_fx  # noqa: E402
-from sparse_fx.data import passkey_prompt, token_windows  # noqa: E402
-from sparse_fx.models import load_model  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-PLOTTED = {  # metric -> (label, where it lives in a row)
-    "recall": ("recall@k of the selection", ("probes", "recall", "mean")),
-    "output_error": ("relative error of the attention output", ("probes", "output_error", "mean")),
-    "mass": ("attention mass kept", ("probes", "mass", "mean")),
-    "agreement": ("next-token agreement with dense", ("teacher", "agreement")),
-    "ce_delta": ("cross-entropy delta vs dense (nats/token)", ("teacher", "ce_delta")),
-    "passkey": ("passkey accuracy", ("passkey", "accuracy")),
-}
+MODEL = "SmolLM2-135M-Instruct"  # what `sparse_fx.models.load_model()` loads; named in the tables
 
 
 @dataclass
@@ -310,7 +297,7 @@ def passkey_cell(model, tok, configs: list[Config], cache, snaps: tuple[Snapshot
 
 def run(model, tok, s: Settings, progress: bool = True, checkpoint=None) -> dict:
     """Every measurement of `s` on `model` (left as it is: configs compile copies that share its
-    weights). Returns the results dict that `write_outputs` saves; `checkpoint(rows, contexts)` is called
+    weights). Returns the results dict (`describe` adds what they are about); `checkpoint(rows, contexts)` is called
     after each context with the rows and per-context facts so far."""
     from transformers import StaticCache
 
@@ -378,22 +365,18 @@ def dynamo_graphs() -> int:
 
 
 # ------------------------------------------------------------------------------------ outputs
-def metric(row: dict, path: tuple) -> float | None:
-    for key in path:
-        row = row.get(key) if isinstance(row, dict) else None
-    return row
-
-
 def markdown(results: dict) -> str:
     """One table per context: rows plan x sparsity, columns the headline numbers; then passkey by depth."""
     s, rows = results["settings"], results["rows"]
+    meta = results.get("meta", {})  # the bench writer's header (command, date, versions), when there is one
+    versions = meta.get("versions", {})
     k = s["recall_k"]
     out = [
         f"# sparse_fx quality: {results['model']}, tag `{results['tag']}`",
         "",
-        f"`{results['command']}`  ",
-        f"{results['date']}, {results['machine']['summary']}, torch {results['versions']['torch']}, "
-        f"transformers {results['versions']['transformers']}; {results['seconds'] / 60:.0f} min"
+        f"`{meta.get('command', '-')}`  ",
+        f"{meta.get('date', '-')}, {results['machine']['summary']}, torch {versions.get('torch', '-')}, "
+        f"transformers {versions.get('transformers', '-')}; {results['seconds'] / 60:.0f} min"
         + (f" (interrupted: contexts {', '.join(map(str, results['contexts']))} of {', '.join(map(str, s['contexts']))} done)."
            if results.get("incomplete") else "."),
         "",
@@ -440,57 +423,9 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(results: dict, out: str, tag: str) -> list[str]:
-    """metric vs sparsity, one line per plan, one panel per context; dense as a dashed level."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = results["rows"]
-    ns = sorted({r["context"] for r in rows})
-    paths = []
-    for name, (label, path) in PLOTTED.items():
-        if all(metric(r, path) is None for r in rows):
-            continue
-        fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.4), squeeze=False, sharey=True)
-        for ax, n in zip(axes[0], ns):
-            sub = [r for r in rows if r["context"] == n]
-            for plan in dict.fromkeys(r["plan"] for r in sub):
-                pts = sorted((r["sparsity"], metric(r, path)) for r in sub if r["plan"] == plan and r["sparsity"])
-                pts = [(x, y) for x, y in pts if y is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=plan)
-                for r in sub:
-                    if r["plan"] == plan and not r["sparsity"] and metric(r, path) is not None:
-                        ax.axhline(metric(r, path), color="gray", ls="--", label=f"{plan} (reference)")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"context {n}")
-            ax.set_xlabel("sparsity (context / budget)")
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel(label)
-        axes[0][-1].legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out, f"quality-{tag}-{name}.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
-
-
-def write_outputs(results: dict, out: str, tag: str) -> list[str]:
-    os.makedirs(out, exist_ok=True)
-    base = os.path.join(out, f"quality-{tag}")
-    with open(base + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(results))
-    return [base + ".json", base + ".md"] + plot(results, out, tag)
-
-
-def describe(model, s: Settings, command: str, tag: str, results: dict) -> dict:
-    """The run's provenance around its numbers."""
-    import transformers
-
+def describe(model, s: Settings, tag: str, results: dict) -> dict:
+    """`run`'s results with what they are about: model, tag, machine and threads, settings."""
     device = next(model.parameters()).device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     machine = {"node": platform.node(), "platform": platform.platform(), "device": str(device), "device_name": name,
@@ -498,82 +433,4 @@ def describe(model, s: Settings, command: str, tag: str, results: dict) -> dict:
                "prefill_threads": s.prefill_threads or torch.get_num_threads()}
     machine["summary"] = (f"{name} ({device.type}, {machine['cpus']} CPUs; torch threads: {machine['torch_threads']} decode, "
                           f"{machine['prefill_threads']} prefill)")
-    return {"model": "SmolLM2-135M-Instruct", "tag": tag, "command": command,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine,
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "sparse_fx": sparse_fx.__version__,
-                         "python": platform.python_version()},
-            "settings": s.__dict__, **results}
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    d = Settings()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plans", default=",".join(d.plans), help="comma-separated plan names (any sparse_fx plan)")
-    p.add_argument("--contexts", default=",".join(map(str, d.contexts)), help="context lengths n, tokens")
-    p.add_argument("--sparsity", default=",".join(map(str, d.sparsities)), help="sparsities s: budget = n // s")
-    p.add_argument("--sink", type=int, default=d.sink, help="first tokens every sparse step keeps")
-    p.add_argument("--local", type=int, default=d.local, help="last tokens every sparse step keeps")
-    p.add_argument("--recall-k", type=int, default=d.recall_k, help="k of recall@k against the true attention top-k")
-    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="teacher-forced sparse decode steps per window")
-    p.add_argument("--windows", type=int, default=d.windows, help="held-out text windows per context")
-    p.add_argument("--depths", default=",".join(map(str, d.depths)), help="passkey depths, %% of the filler")
-    p.add_argument("--passkey-trials", type=int, default=d.passkey_trials, help="trials (keys) per context x depth")
-    p.add_argument("--passkey-offset", type=int, default=d.passkey_offset,
-                   help="last prompt tokens decoded sparsely (>= 1: the answer is always sparse)")
-    p.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="greedy tokens generated per passkey trial")
-    p.add_argument("--probe-passkey", action="store_true",
-                   help="decode passkeys with the probing models: half the compiles, slower steps (short contexts)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for decode steps (1 is fastest on a shared 2-core machine)")
-    p.add_argument("--prefill-threads", type=int, default=None, help="torch CPU threads for dense prefills")
-    p.add_argument("--tag", default="full", help="names the outputs quality-<tag>.*")
-    p.add_argument("--out", default=RESULTS, help="output directory")
-    a = p.parse_args(argv)
-    if a.passkey_offset < 1 or a.decode_tokens < 1 or a.passkey_trials < 1 or a.windows < 1 or a.answer_tokens < 1:
-        p.error("--passkey-offset, --decode-tokens, --passkey-trials, --windows and --answer-tokens must be >= 1")
-    for plan in a.plans.split(","):
-        try:
-            sparse_fx.Plan.parse(plan)
-        except ValueError as e:
-            p.error(str(e))
-    return a
-
-
-def settings_from(a: argparse.Namespace) -> Settings:
-    return Settings(plans=a.plans.split(","), contexts=ints(a.contexts), sparsities=ints(a.sparsity), sink=a.sink,
-                    local=a.local, recall_k=a.recall_k, decode_tokens=a.decode_tokens, windows=a.windows,
-                    depths=ints(a.depths), passkey_trials=a.passkey_trials, passkey_offset=a.passkey_offset,
-                    answer_tokens=a.answer_tokens, seed=a.seed, probe_passkey=a.probe_passkey,
-                    prefill_threads=a.prefill_threads)
-
-
-def main(argv=None) -> None:
-    a = parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
-    s = settings_from(a)
-    model, tok = load_model(device=device)
-    command = "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    t0 = time.perf_counter()
-
-    def checkpoint(rows, contexts):  # an interrupted long run keeps what it measured
-        write_outputs(describe(model, s, command, a.tag, {"rows": rows, "contexts": contexts, "incomplete": True,
-                                                          "seconds": time.perf_counter() - t0}), a.out, a.tag)
-
-    results = run(model, tok, s, checkpoint=checkpoint)
-    paths = write_outputs(describe(model, s, command, a.tag, results), a.out, a.tag)
-    print(f"wrote {', '.join(paths)} ({results['seconds'] / 60:.1f} min)")
-    with open(paths[1]) as f:
-        print(f.read())
-
-
-if __name__ == "__main__":
-    main()
+    return {"model": MODEL, "tag": tag, "machine": machine, "settings": s.__dict__, **results}

@@ -1,0 +1,166 @@
+"""What every bench script shares: `--out DIR`, the results header and one writer.
+
+    p = argparse.ArgumentParser(...)
+    benchlib.add_out(p)                                   # --out DIR, default bench/results, created
+    a = p.parse_args()
+    data = {"meta": benchlib.header(a), "rows": rows}    # every JSON carries its header as "meta"
+    benchlib.save(a.out, "decode-2026-11-30", data, markdown=table, plot=lambda path: draw(rows, path))
+
+Nothing heavy is imported at module level, so that a script's `--help` stays fast; torch and
+matplotlib are imported when a header or a plot is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+# Results written before the header existed kept these at the top level; `load` moves them into "meta".
+LEGACY_HEADER_KEYS = ("command", "date", "gpu", "device", "machine", "torch", "triton", "transformers", "python", "versions")
+
+
+def _out_dir(text: str) -> Path:
+    path = Path(text)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def add_out(parser: argparse.ArgumentParser, render: bool = False) -> None:
+    """`--out DIR`: the folder the results go to (created), bench/results unless given; with
+    `render`, also `--render`: redraw a script's tables and plots from its saved JSON (`load`)."""
+    parser.add_argument("--out", type=_out_dir, default=str(RESULTS), metavar="DIR",
+                        help="folder for the results, created if missing (default: bench/results)")
+    if render:
+        parser.add_argument("--render", action="store_true", help="only rewrite the .md and .png from the saved .json in --out")
+
+
+# ------------------------------------------------------------------------------------ header
+def header(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
+    """Where a result comes from: the command as run (repo-relative script path, so that it runs again
+    from the repository root), every option after parsing, the date, the GPU ("cpu" when the run asked
+    for the CPU or has no GPU), versions, and the git commit ("+dirty" when tracked files differ).
+    `argv` is the script's argv when a `main(argv)` is called from Python (argv[0]: the script)."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]).resolve() if argv else None
+    if script is not None and script.is_relative_to(ROOT):
+        argv[0] = str(script.relative_to(ROOT))
+    return {
+        "command": shlex.join(["python", *argv]),
+        "args": {k: v if isinstance(v, (bool, int, float, type(None), list)) else str(v) for k, v in vars(args).items()},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": _gpu(getattr(args, "device", None)),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "versions": {"python": platform.python_version(), **{d: _version(d) for d in ("torch", "triton", "transformers")}},
+        "commit": _commit(),
+    }
+
+
+def where(meta: dict) -> str:
+    """The device a result was measured on, for a line of Markdown: the GPU's name, or the CPU."""
+    gpu = meta.get("gpu")
+    return gpu if gpu and gpu != "cpu" else str(meta.get("machine", "cpu"))
+
+
+def _gpu(device) -> str:
+    import torch
+
+    if str(device) == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str | None:
+    """Short hash of the checkout's HEAD, "+dirty" when a tracked file differs; None without git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True, timeout=10).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ------------------------------------------------------------------------------------ writing
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def axes(ax, xlabel: str, ylabel: str | None = None, title: str | None = None) -> None:
+    """A bench plot's panel: context or sparsity on a log2 x axis, labelled."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+
+
+def savefig(fig, path, dpi: int = 110) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    return Path(path)
+
+
+def _portable(text: str) -> str:
+    """Paths in results: repo-relative inside the checkout, `~` for the home folder."""
+    return text.replace(str(ROOT) + os.sep, "").replace(str(Path.home()), "~")
+
+
+def save(out_dir, stem: str, data: dict, markdown: str | None = None, plot=None) -> list[Path]:
+    """Write <stem>.json (which must carry its header as "meta"), <stem>.md when `markdown` is
+    given, and <stem>.png through `plot(path)`; a plot that writes several figures returns their
+    paths instead. Returns the paths written. A failing plot is reported, not raised: the numbers
+    are already on disk."""
+    if "meta" not in data:
+        raise ValueError("benchlib.save: data has no 'meta' header (benchlib.header(args))")
+    out = _out_dir(str(out_dir))
+    paths = [out / f"{stem}.json"]
+    paths[0].write_text(_portable(json.dumps(data, indent=1, default=str)) + "\n")
+    if markdown is not None:
+        paths.append(out / f"{stem}.md")
+        paths[-1].write_text(_portable(markdown))
+    if plot is not None:
+        plt = pyplot()
+        try:
+            drawn = plot(out / f"{stem}.png")
+            paths += [Path(p) for p in drawn] if drawn else [out / f"{stem}.png"]
+        except Exception as e:  # noqa: BLE001
+            print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            plt.close("all")
+    return paths
+
+
+def load(out_dir, stem: str) -> dict:
+    """A results JSON for re-rendering; one written before the header existed gets its provenance
+    keys moved into "meta"."""
+    data = json.loads((Path(out_dir) / f"{stem}.json").read_text())
+    if "meta" not in data:
+        data = {"meta": {k: data.pop(k) for k in LEGACY_HEADER_KEYS if k in data}, **data}
+    return data

@@ -1,0 +1,62 @@
+"""bench/ as the README uses it: no script shadows an importable module, every command shown runs.
+
+A script's own folder is sys.path[0] when it runs, so a bench file named like an importable module
+replaces that module for everything the script imports: transformers probes for a top-level
+`kernels` package, and a bench/kernels.py once took its place and parsed our command line as its
+own. Each check runs in a fresh interpreter, as a user's command would.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+# `python bench/<script>.py ...` and `python -m sparse_fx <command> ...`, also broken over a line.
+COMMAND = re.compile(r"\bpython3?\s+(bench/\w+\.py|-m\s+sparse_fx(?:\s+[a-z][\w-]*)?)")
+
+
+def test_no_bench_file_is_named_like_an_importable_module(tmp_path):
+    stems = sorted(p.stem for p in BENCH.glob("*.py"))
+    find = "import importlib.util, json, sys; print(json.dumps({s: getattr(importlib.util.find_spec(s), 'origin', None) for s in sys.argv[1:]}))"
+    out = subprocess.run([sys.executable, "-c", find, *stems], cwd=tmp_path, capture_output=True, text=True, check=True)
+    taken = {stem: origin for stem, origin in json.loads(out.stdout).items() if origin is not None}
+    assert not taken, f"bench files that would shadow these modules when a bench script runs (rename them): {taken}"
+
+
+def readme_commands() -> list[list[str]]:
+    """Each distinct script or CLI command of README.md, as argv (python from this interpreter)."""
+    found = dict.fromkeys(" ".join(m.group(1).split()) for m in COMMAND.finditer((ROOT / "README.md").read_text()))
+    return [[sys.executable, *command.split()] for command in found]
+
+
+def bench_scripts() -> list[list[str]]:
+    return [[sys.executable, str(p.relative_to(ROOT))] for p in sorted(BENCH.glob("*.py"))
+            if "__main__" in p.read_text()]
+
+
+def test_readme_shows_bench_and_cli_commands():
+    shown = {" ".join(argv[1:]) for argv in readme_commands()}
+    assert any(c.startswith("bench/") for c in shown) and any(c.startswith("-m sparse_fx ") for c in shown), shown
+    missing = [c for c in shown if c.startswith("bench/") and not (ROOT / c).exists()]
+    assert not missing, f"README names bench scripts that do not exist: {missing}"
+
+
+def test_every_command_answers_help():
+    """Every README command and every bench script parses `--help` and exits 0, in seconds: they
+    parse arguments before heavy work, and nothing they import reads our command line."""
+    commands = {tuple(argv) for argv in readme_commands() + bench_scripts()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+    def run(argv):
+        return subprocess.run([*argv, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = dict(zip(commands, pool.map(run, commands)))
+    failed = {" ".join(argv[1:]): (r.returncode, r.stderr[-600:]) for argv, r in results.items()
+              if r.returncode != 0 or "usage:" not in r.stdout}
+    assert not failed, failed
