@@ -107,7 +107,20 @@ def int2_write(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: 
     if codes.is_cuda and _kernels().int2_write_supported(codes, scale, zero, k, pos):
         _kernels().int2_write(codes, scale, zero, k, pos)
     else:
-        ref.int2_write(codes, scale, zero, k, pos)
+        int2_write_reference(codes, scale, zero, k, pos)
+
+
+@torch.library.custom_op("sparse_fx::int2_write_reference", mutates_args={"codes", "scale", "zero"})
+def int2_write_reference(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
+    """reference.int2_write as an opaque call: traced into a compiled graph, its division and
+    rounding would be re-expressed by the compiler (reciprocal multiplies, fused ops) and the codes
+    would differ from the reference's in the last bit; here they cannot."""
+    ref.int2_write(codes, scale, zero, k, pos)
+
+
+@int2_write_reference.register_fake
+def _(codes, scale, zero, k, pos) -> None:
+    return None
 
 
 @triton_op("sparse_fx::int2_scores", mutates_args=())

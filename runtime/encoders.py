@@ -158,7 +158,7 @@ class Encoders:
         return self.trained is not None
 
     def layer(self, layer: int, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerEncoders:
-        key = (layer, str(device))
+        key = (layer, str(device), q_heads)
         if key not in self._cache:
             if self.trained is not None:
                 enc = self.trained.layer(layer)

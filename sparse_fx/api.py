@@ -93,8 +93,9 @@ def explain(model: torch.nn.Module) -> Report:
     budget, side-cache bytes, and why a layer stays dense. Before the first decode step it traces
     one on a tiny throwaway StaticCache."""
     state = sparse_state(model)
-    traced = not state.reports
-    report = _trace_decode(model, state) if traced else state.reports[-1]
+    decodes = [r for r in state.reports if r.decode]
+    traced = not decodes
+    report = _trace_decode(model, state) if traced else decodes[-1]
     rows = list(report.rows)
     seen = {r.layer for r in rows}
     for i, role in enumerate(state.roles):
@@ -102,7 +103,9 @@ def explain(model: torch.nn.Module) -> Report:
             rows.append(Row(layer=i, call_form="-", role=role).dense(
                 "no scaled_dot_product_attention call found for this layer in the traced graph"))
     rows.sort(key=lambda r: r.layer)
-    notes = ["prefill (several tokens): the model's own dense attention, uncompiled; it writes the side caches"]
+    prefills = [r for r in state.reports if not r.decode]
+    notes = [f"prefill (several tokens): dense, {len(prefills)} compiled graph(s) write the side caches" if prefills
+             else "prefill (several tokens): the model's own dense attention, uncompiled; then the side caches are written"]
     if state.attention_note:
         notes.append(state.attention_note)
     return Report(plan_name=state.plan.name, method=state.method.describe(state), description=state.plan.description,

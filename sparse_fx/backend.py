@@ -13,8 +13,8 @@ def sparse_backend(state: CompiledState):
 
     def sparse_fx_backend(gm: torch.fx.GraphModule, example_inputs):
         report = rewrite(gm, state)
-        state.reports.append(report)
-        if state.strict:
+        state.record(report)
+        if state.strict and report.decode:
             _check_strict(state, report)
         if state.backend == "eager":
             return gm.forward

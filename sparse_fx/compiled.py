@@ -46,6 +46,7 @@ class CompiledState:
     side_caches: SideCaches = field(default_factory=SideCaches)
     reports: list[GraphReport] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
+    unfilled: set[int] = field(default_factory=set)  # layers a compiled prefill graph cannot write
 
     def __post_init__(self) -> None:
         dense = set(self.plan.dense_layers) | set(self.info.sliding_layers)
@@ -75,8 +76,24 @@ class CompiledState:
         p = self.plan
         return f"{p.sink}+{p.local}+{p.budget}"
 
-    def layer_encoders(self, layer: int, kv: KVShape) -> LayerEncoders:
-        return self.encoders.layer(layer, self.info.q_heads or kv.kv_heads, kv.kv_heads, kv.head_dim, kv.device)
+    def layer_encoders(self, layer: int, kv: KVShape, q_heads: int | None = None) -> LayerEncoders:
+        """A layer's signature encoders (the key side does not depend on `q_heads`)."""
+        q_heads = q_heads or self.info.q_heads or kv.kv_heads
+        return self.encoders.layer(layer, q_heads, kv.kv_heads, kv.head_dim, kv.device)
+
+    def record(self, report: GraphReport) -> None:
+        """Keep a compiled graph's report. A decode graph may read a layer's side cache only if
+        every compiled prefill graph writes it (Hugging Face models prefill eagerly, writing all)."""
+        if not report.decode:
+            needs = {r.layer for r in report.rows if self.role(r.layer) != "dense" and r.side_cache == "-"
+                     and self.method.side_cache(self.role(r.layer), report.shape, self.plan)}
+            self.unfilled |= needs
+            reads = {r.layer for rep in self.reports if rep.decode for r in rep.rows if r.action == "sparse"}
+            if reads & needs:
+                raise RuntimeError(f"sparse_fx: a new prefill graph cannot write the side caches of layers "
+                                   f"{sorted(reads & needs)}, which a compiled decode graph reads; run "
+                                   "sparse_fx.explain(model) and report this model form")
+        self.reports.append(report)
 
     # ------------------------------------------------------------------ calibration's search mode
     def role_flags(self, device: torch.device) -> torch.Tensor:

@@ -44,7 +44,8 @@ class GraphReport:
     """What the rewrite did to one compiled decode graph (`shape`: its KV-cache shape)."""
 
     rows: list[Row]
-    shape: object = None
+    shape: object = None  # KVShape of the graph's KV cache
+    decode: bool = True  # one query per call (else another model's compiled prefill)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`model.forward` after `sparse_fx.compile`.
 
-Prefill (several new tokens) runs Hugging Face's own attention, uncompiled: the time to first
-token is the dense model's, for any prompt length, and then the side caches of the new positions
-are written. Decode (one new token) runs the compiled, rewritten graph. The side caches follow
+Prefill (several new tokens) of a Hugging Face model runs its own attention, uncompiled: the time
+to first token is the dense model's, for any prompt length, and then the side caches of the new
+positions are written. (Another model's prefill runs compiled, writing them in the graph.) Decode
+(one new token) runs the compiled, rewritten graph. The side caches follow
 the KV cache they describe: a beam-search reordering is applied to them too, any other change to
 a cache's rows or length makes them stale, and a decode step on a cache they do not describe
 refills them first.
@@ -29,6 +30,9 @@ class SparseForward:
     def __init__(self, model: torch.nn.Module, original, compiled, state: CompiledState):
         functools.update_wrapper(self, original)  # generate() inspects forward's signature
         self.model, self.original, self.compiled, self.state = model, original, compiled, state
+        from transformers import PreTrainedModel
+
+        self.hugging_face = isinstance(model, PreTrainedModel)
 
     def __call__(self, *args, **kwargs):
         if self.model.training:
@@ -37,12 +41,12 @@ class SparseForward:
         ids = kwargs.get("inputs_embeds") if ids is None else ids
         cache = kwargs.get("past_key_values")
         layers = static_layers(cache)
-        if layers is None:
+        if layers is not None:
+            follow(cache, self.state)
+        elif self.hugging_face and kwargs.get("use_cache", True) is not False:
             self._warn("cache", "sparse_fx: this call has no static KV cache (e.g. a DynamicCache), so nothing runs "
                        "sparse; use generate(..., cache_implementation='static') or pass a StaticCache")
-        else:
-            follow(cache, self.state)
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] > 1:
+        if self.hugging_face and isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] > 1:
             return self._prefill(ids, layers, cache, args, kwargs)
         if layers is not None and not self.state.owns(cache):
             self.state.fill(cache)  # it describes another cache (or one changed under it)
@@ -77,7 +81,7 @@ class SparseForward:
 
     def _check_decode(self) -> None:
         report = self.state.reports[-1] if self.state.reports else None
-        if report is not None and not any(r.action == "sparse" for r in report.rows):
+        if report is not None and report.decode and not any(r.action == "sparse" for r in report.rows):
             reasons = sorted({r.reason for r in report.rows}) or ["no attention found in the graph"]
             self._warn("dense", f"sparse_fx: no layer runs sparse in this decode step ({'; '.join(reasons)}); "
                        "see sparse_fx.explain(model)")

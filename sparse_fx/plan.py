@@ -27,11 +27,10 @@ def _methods():
     return methods
 
 
-def _int(name: str, value, low: int | None = None, what: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        _fail(f"{name} must be an int{what}, got {value!r} ({type(value).__name__})")
-    if low is not None and value < low:
-        _fail(f"{name} must be >= {low}{what}, got {value}")
+def _int(name: str, value, low: int | None = None, why: str = "") -> None:
+    bound = f" >= {low}" if low is not None else ""
+    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+        _fail(f"{name} must be an int{bound}{why}, got {value!r}" + ("" if isinstance(value, int) else f" ({type(value).__name__})"))
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         handler = _methods().get(self.method)
-        _int("budget", self.budget, 1, " of tokens")
+        _int("budget", self.budget, 1, " (tokens chosen by score)")
         _int("sink", self.sink, 0)
         _int("local", self.local, 1, " (the window holds the current token)")
         _int("group", self.group)
-        _int("int2_group", self.int2_group, 2, " channels")
+        _int("int2_group", self.int2_group, 2, " (channels per INT2 scale)")
         _int("bits", self.bits, 32)
         _int("seed", self.seed)
         if self.bits % 32:
@@ -76,7 +75,7 @@ class Plan:
         if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
             _fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         for i in self.dense_layers:
-            _int("each of dense_layers", i, 0, " (a layer index; negative indices are not taken)")
+            _int("dense_layers entries", i, 0, " (layer indices; negative ones are not taken)")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
         if self.roles is not None:
             if isinstance(self.roles, (str, bytes)) or not all(isinstance(r, str) for r in self.roles):

@@ -5,7 +5,10 @@ every attention it finds (`match.find_sites`) it decides, generically, whether t
 sparse; the plan's method (`sparse_fx.methods`) then writes the layer's side cache right after
 the KV-cache write and emits the ops that choose the positions, and the SDPA node is replaced by
 `sparse_decode_attention` over them. Whatever cannot be proven stays dense, with the reason.
-Prefill never comes here: it runs Hugging Face's own attention (see `forward.py`).
+
+A Hugging Face model's prefill never comes here (it runs the model's own attention, see
+`forward.py`); another model's multi-token graph does, and keeps its attention dense while the
+side caches of its new positions are written in the graph.
 """
 
 from __future__ import annotations
@@ -30,17 +33,15 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def rewrite(gm: fx.GraphModule, state: CompiledState) -> GraphReport:
     """Rewrite the decode graph `gm` in place for `state.plan`; return what was done to each attention."""
     sites = find_sites(gm)
-    if any(s.q_len != 1 for s in sites):
-        raise RuntimeError("sparse_fx: internal error: a graph with several queries reached the decode backend "
-                           "(prefill runs Hugging Face's own attention); please report this model")
+    decode = bool(sites) and all(s.q_len == 1 for s in sites)
     edit = _Edit(gm, state)
-    rows = [edit.site(site) for site in sites]
+    rows = [edit.site(site) if decode else edit.prefill_site(site) for site in sites]
     if rows:
         remove_dead(gm.graph, edit.dead)
         gm.graph.lint()
         gm.recompile()
     shape = next((KVShape.of(meta(s.k_base)) for s in sites if meta(s.k_base) is not None and meta(s.k_base).dim() == 4), None)
-    return GraphReport(rows=rows, shape=shape)
+    return GraphReport(rows=rows, shape=shape, decode=decode)
 
 
 class _Edit:
@@ -64,15 +65,9 @@ class _Edit:
         problem = self.method.site_problem(role, kv, self.plan)
         if problem:
             return row.dense(problem)
-        specs = self.method.side_cache(role, kv, self.plan)
-        side = {}
-        if specs:
-            tensors = state.side_caches.layer(site.layer, kv, specs)
-            side = {name: self.emit.tensor(f"l{site.layer}_{name}", t) for name, t in tensors.items()}
-            w = site.k_write
-            self.method.write(self.emit.at(w.node.next), state, site.layer, kv, side, w.new, w.pos)
-            row.side_cache = f"{'+'.join(specs)} {state.side_caches.nbytes(site.layer) / 2**20:.2f} MiB"
-            row.side_cache_bytes = state.side_caches.nbytes(site.layer)
+        side = self._write_side_cache(site, role, kv, row)
+        if site.layer in state.unfilled:
+            return row.dense("a compiled prefill graph does not write this layer's side cache")
         a = site.args
         self.emit.at(site.node)
         view = MethodSite(layer=site.layer, role=role, q=site.q, k=site.k_base, v=site.v_base, mask=site.mask,
@@ -91,6 +86,41 @@ class _Edit:
         self.emit.g.erase_node(site.node)
         self.dead += [a["key"], a["value"]]
         return row.sparse()
+
+    def prefill_site(self, site: Site) -> Row:
+        """Several queries (another model's prefill): attention stays dense; the side cache of the
+        new positions is written in the graph."""
+        role = self.state.role(site.layer)
+        row = Row(layer=site.layer, call_form=site.call_form, role=role)
+        if role == "dense":
+            return row.dense(self.state.dense_reason(site.layer))
+        k = meta(site.k_base)
+        if site.k_write is None or k is None or k.dim() != 4:
+            return row.dense("no KV-cache write feeds this attention: its side cache cannot be written")
+        kv = KVShape.of(k)
+        problem = self.method.site_problem(role, kv, self.plan)
+        if problem:
+            return row.dense(problem)
+        self._write_side_cache(site, role, kv, row)
+        return row.dense("prefill (several queries): stays dense, writes the side cache")
+
+    def _write_side_cache(self, site: Site, role: str, kv: KVShape, row: Row) -> dict:
+        """Emit the method's side-cache write right after the KV-cache write; its graph tensors."""
+        state = self.state
+        specs = self.method.side_cache(role, kv, self.plan)
+        if not specs:
+            return {}
+        tensors = state.side_caches.layer(site.layer, kv, specs)
+        side = {name: self.emit.tensor(f"l{site.layer}_{name}", t) for name, t in tensors.items()}
+        # the side cache describes the keys as stored, read back after the KV write: the value that
+        # fed the write may be recomputed by the compiler, rounding differently
+        w = site.k_write
+        emit = self.emit.at(w.node.next)
+        stored = emit.call(torch.index_select, w.cache, 2, w.pos)
+        self.method.write(emit, state, site.layer, kv, side, stored, w.pos)
+        row.side_cache = f"{'+'.join(specs)} {state.side_caches.nbytes(site.layer) / 2**20:.2f} MiB"
+        row.side_cache_bytes = state.side_caches.nbytes(site.layer)
+        return side
 
     def _start(self, mask: fx.Node, kv: KVShape) -> fx.Node:
         """Each batch row's first readable position, computed once per mask: a left-padded row's

@@ -1,4 +1,5 @@
-"""Plans: names, options, validation, layer roles, JSON files."""
+"""Plans: names, options, validation, JSON files. Every bad argument or file is a ValueError that
+names it and the valid choices."""
 
 import pytest
 
@@ -26,17 +27,25 @@ def test_options_override_and_pool():
     [
         ("sparse", {}, "unknown plan 'sparse'; valid plans: dense, oracle, hash, hash-b<bits>"),
         ("prism-4", {}, "unknown plan"),
-        ("hash", {"budget": 0}, "budget must be > 0"),
-        ("hash", {"budget": -5}, "budget must be > 0"),
+        ("hash", {"budget": 0}, "budget must be an int >= 1"),
+        ("hash", {"budget": -5}, "budget must be an int >= 1"),
         ("hash", {"budget": 1.5}, "budget must be an int"),
         ("hash", {"local": 0}, "local must be an int >= 1"),
         ("hash", {"bits": 48}, "multiple of 32"),
+        ("hash", {"seed": "x"}, r"seed must be an int, got 'x' \(str\)"),
+        ("hash", {"seed": True}, "seed must be an int"),
+        ("prism-g4", {"rho": "4"}, r"rho \(pool size / budget\) must be a number >= 1, got '4'"),
         ("prism-g0", {}, "group must be >= 1"),
         ("prism-g4", {"rho": 0.5}, "rho"),
+        ("hash", {"dense_layers": [-1]}, r"dense_layers entries must be an int >= 0 .*negative.*got -1"),
+        ("hash", {"dense_layers": 1}, "dense_layers must be a list of layer indices, got 1"),
+        ("hash", {"dense_layers": ["0"]}, "dense_layers entries must be an int"),
         ("hash", {"budgte": 3}, r"unknown plan option\(s\) \['budgte'\]; valid options: group, budget"),
-        ("hash", {"roles": ("proposal",)}, "explicit roles need a prism or static plan"),
+        ("hash", {"roles": ("proposal",)}, "explicit roles need a plan with proposal and refined layers"),
+        ("prism-g4", {"roles": "proposal"}, "roles must be a list of layer roles"),
         ("prism-g4", {"roles": ("refined", "proposal")}, "first sparse layer must be a proposal"),
         ("prism-g4", {"roles": ("proposal", "bogus")}, "unknown layer roles"),
+        ("hash", {"encoders": 3}, "encoders must be a directory path"),
     ],
 )
 def test_bad_plans_raise_naming_valid_choices(name, options, match):
@@ -44,35 +53,36 @@ def test_bad_plans_raise_naming_valid_choices(name, options, match):
         Plan.parse(name, **options)
 
 
-def test_uniform_roles_and_dense_layers():
-    assert Plan.parse("prism-g1").layer_roles(3) == ["proposal"] * 3  # per-layer INT2 selection, no sharing
-    assert Plan.parse("prism-g4").layer_roles(6) == ["proposal", "refined", "refined", "refined", "proposal", "refined"]
-    assert Plan.parse("hash", dense_layers=(0, 2)).layer_roles(3) == ["dense", "sparse", "dense"]
-    # a dense proposal layer orphans its refined layers: the first of them proposes instead
-    assert Plan.parse("static-g3", dense_layers=(0,)).layer_roles(4) == ["dense", "proposal", "refined", "proposal"]
-    with pytest.raises(ValueError, match="dense_layers holds layer 9"):
-        Plan.parse("hash", dense_layers=(9,)).layer_roles(4)
-
-
-def test_json_round_trip_and_layer_count_check(tmp_path):
+def test_json_round_trip(tmp_path):
     p = Plan.parse("prism-g4", budget=256, roles=("proposal", "refined", "proposal", "refined", "dense"))
     path = tmp_path / "plan.json"
     p.save(path)
     assert Plan.load(path) == p
     assert Plan.parse(str(path)) == p
-    with pytest.raises(ValueError, match="roles for 5 layers but the model has 30"):
-        Plan.load(path).layer_roles(30)
 
 
-@pytest.mark.parametrize("text, match", [("{", "not valid JSON"), ('{"method": "hash"}', "not a sparse_fx plan file"),
-                                         ('{"format": "sparse_fx.plan/1", "method": "hash", "wat": 1}', "unknown keys")])
+@pytest.mark.parametrize("text, match", [
+    ("{", "not valid JSON"),
+    ('{"method": "hash"}', "not a sparse_fx plan file"),
+    ('{"format": "sparse_fx.plan/1", "method": "hash", "wat": 1}', "unknown keys"),
+    ('{"format": "sparse_fx.plan/1", "method": "hash", "dense_layers": 1}', r"dense_layers must be a list.*in plan file"),
+    ('{"format": "sparse_fx.plan/1", "method": "nope"}', r"unknown method 'nope'.*in plan file"),
+])
 def test_bad_plan_files(tmp_path, text, match):
     path = tmp_path / "p.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         Plan.load(path)
+
+
+def test_missing_plan_file_and_a_directory(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         Plan.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="is a directory"):
+        Plan.load(tmp_path)
+    (tmp_path / "d.json").mkdir()
+    with pytest.raises(ValueError, match="is a directory"):
+        Plan.parse(str(tmp_path / "d.json"))
 
 
 def test_hash_widths_and_encoder_paths():

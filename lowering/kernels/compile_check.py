@@ -6,7 +6,8 @@ here with CPU tensors while `wrap_triton` is patched to record each launch inste
 each recorded launch is then compiled for sm_90 with the same constexprs and options. Run it in a
 process *without* TRITON_INTERPRET (the kernels must be JITFunctions):
 
-    python -m sparse_fx.lowering.kernels.compile_check      # prints registers / spills / smem
+    python -m sparse_fx.lowering.kernels.compile_check           # registers / spills / smem per launch
+    python -m sparse_fx.lowering.kernels.compile_check --writes  # what Inductor would see each launch write
 """
 
 from __future__ import annotations
@@ -183,7 +184,42 @@ def compile_all(arch: int = 90):
     return rows
 
 
+def written_arguments(arch: int = 90):
+    """[(scenario, kernel name, sorted names of the arguments Inductor's analysis says it writes)]:
+    what torch.compile would functionalise as mutated. A graph input (a mask, the cache position,
+    a pool view) in that list would be copied back, or make CUDA graphs skip the step."""
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from triton.runtime import driver
+
+    class _Target:  # the analysis asks the active driver for a target; there is no GPU here
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+    previous = driver._active
+    driver.set_active(_Target())
+    rows = []
+    try:
+        for name, call in _scenarios():
+            with recording() as launches:
+                call()
+            for kernel, _grid, args, kwargs in launches:
+                names = [p.name for p in kernel.params]
+                bound = dict(zip(names, args))
+                bound.update({k: v for k, v in kwargs.items() if k in names})
+                access = identify_accessed_tensors(kernel, bound, {})
+                rows.append((name, kernel.fn.__name__, sorted(d.name for d in access.read_writes.writes)))
+    finally:
+        driver._active = previous
+    return rows
+
+
 def main() -> None:
+    import sys
+
+    if "--writes" in sys.argv:
+        for name, kernel, written in written_arguments():
+            print(f"{name:28s} {kernel:28s} writes {' '.join(written)}")
+        return
     for row in compile_all():
         print("{:28s} {:28s} regs {:4d} local {:5d} smem {:7d}".format(*row))
 

@@ -156,4 +156,4 @@ def plan_forms() -> str:
 
 register(Dense())
 
-from . import hash, oracle, prism  # noqa: E402,F401  (each registers itself)
+from . import oracle, hash, prism  # noqa: E402,F401,I001  (each registers itself, in this order)

@@ -43,7 +43,7 @@ class Hash(Method):
 
     def select(self, emit, state, site):
         p = state.plan
-        enc = state.layer_encoders(site.layer, site.kv)
+        enc = state.layer_encoders(site.layer, site.kv, site.q_heads)
         q_logits = emit.call(apply_head_mlp, site.q, *emit.tensors(f"l{site.layer}_qenc", enc.query.params()))
         q_logits = emit.call(operator.getitem, q_logits, (slice(None), slice(None), 0))  # [B, Hq, bits]
         idx = emit.call(OPS.hash_select.default, q_logits, site.side["signatures"], site.pos, p.budget, p.sink,

@@ -1,0 +1,175 @@
+"""generate() as people call it: many prompt lengths, beam search, left padding, ties, other
+attention implementations, and bad arguments. Each case once gave silently wrong answers or
+stopped working; these tests keep them right."""
+
+import json
+import random
+import warnings
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import sparse_fx
+from families import tiny_model
+from sparse_fx.api import sparse_state
+from test_decode import assert_side_caches_match_the_keys
+
+PLANS = ["oracle", "hash", "prism-g2", "static-g2"]
+SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8)
+
+
+def generate(model, ids, n, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                              **kwargs)
+
+
+def test_fifty_calls_with_random_prompt_lengths_all_succeed_on_few_graphs():
+    """Prompt lengths 1..4000 and random max_new_tokens: every call works, and the decode graphs
+    stay few (prefill is not compiled; static caches grow in 1/16-octave buckets)."""
+    model = sparse_fx.compile(tiny_model("llama", layers=2, max_position_embeddings=8192), "hash",
+                              backend="eager", **SMALL)
+    rng = random.Random(0)
+    for _ in range(50):
+        n, new = rng.randint(1, 4000), rng.randint(1, 6)
+        ids = torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(n))
+        out = generate(model, ids, new)
+        assert out.shape == (1, n + new)
+    graphs = len(sparse_state(model).reports)
+    print(f"\n50 generate() calls, prompt lengths 1..4000: {graphs} decode graph(s) compiled")
+    assert 1 <= graphs <= 8
+
+
+@pytest.mark.parametrize("plan", ["hash", "prism-g2"])
+def test_beam_search_keeps_side_caches_in_step_with_the_reordered_keys(plan):
+    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, num_beams=2, cache_implementation="static",
+                             return_dict_in_generate=True)
+    cache = out.past_key_values
+    n = int(cache.layers[0].cumulative_length)
+    assert n >= 55
+    assert_side_caches_match_the_keys(model, cache, n)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(plan):
+    model = sparse_fx.compile(tiny_model("llama", layers=4, pad_token_id=0), plan, backend="eager", **SMALL)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (37, 21)]
+    pad = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(pad - len(p), dtype=torch.long), p]) for p in prompts])
+    attn = (ids != 0).long()
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=attn, max_new_tokens=12, do_sample=False,
+                               cache_implementation="static", pad_token_id=0, return_dict_in_generate=True,
+                               output_logits=True)
+        for row, p in enumerate(prompts):
+            alone = model.generate(p[None], max_new_tokens=12, do_sample=False, cache_implementation="static",
+                                   pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+            assert torch.equal(batch.sequences[row, pad:], alone.sequences[0, len(p):]), f"row {row}"
+            for a, b in zip(batch.logits, alone.logits):
+                torch.testing.assert_close(a[row], b[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_first_tokens_do_not_depend_on_max_new_tokens(plan):
+    """Ties at the top-k cut go to the most recent position, whatever the cache length."""
+    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
+    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(3))
+    runs = [generate(model, ids, n)[0, 300:] for n in (20, 21, 280)]
+    assert torch.equal(runs[0], runs[1][:20]) and torch.equal(runs[0], runs[2][:20])
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flex_attention"])
+def test_other_attention_implementations_are_switched_to_sdpa(implementation):
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(4))
+    dense = tiny_model("llama", layers=2)
+    want = generate(dense, ids, 8)
+    model = tiny_model("llama", layers=2)
+    model.set_attn_implementation(implementation)
+    sparse_fx.compile(model, "oracle", backend="eager", budget=64, sink=2, local=3)
+    assert torch.equal(generate(model, ids, 8), want)
+    report = sparse_fx.explain(model)
+    assert report.sparse_layers == [0, 1] and f"switched from attn_implementation='{implementation}'" in str(report)
+
+
+def test_strict_raises_when_a_layer_stays_dense_and_a_dynamic_cache_warns_once():
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", strict=True)
+    with pytest.raises(RuntimeError, match="strict.*no KV-cache write"):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, do_sample=False)  # DynamicCache: nothing is sparse
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "oracle", backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+    messages = [str(w.message) for w in caught if "sparse_fx" in str(w.message)]
+    assert len([m for m in messages if "no static KV cache" in m]) == 1, messages
+
+
+def test_untrained_hash_says_so_once_and_in_explain():
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager")
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(model, ids, 3)
+        generate(model, ids, 3)
+    assert len([w for w in caught if "untrained random signatures" in str(w.message)]) == 1
+    assert "LSH, untrained" in str(sparse_fx.explain(model))
+
+
+def _encoders(model, tmp_path, seed=0):
+    from sparse_fx.train import TrainConfig
+
+    ids = torch.randint(1, 128, (2, 320), generator=torch.Generator().manual_seed(seed))
+    enc = sparse_fx.train_signatures(model, ids, steps=2, queries=16, batch_queries=8, batch_keys=32, context=320,
+                                     progress=False, sink=TrainConfig.sink // 8, local=TrainConfig.local // 8)
+    enc.save(tmp_path)
+    return enc
+
+
+def test_encoders_of_another_model_with_the_same_shapes_are_refused(tmp_path):
+    model = tiny_model("llama", layers=2)
+    _encoders(model, tmp_path)
+    sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")  # same weights
+    other = tiny_model("llama", layers=2, seed=1)
+    with pytest.raises(ValueError, match="trained for another model.*weights"):
+        sparse_fx.compile(other, "hash", encoders=tmp_path, backend="eager")
+    learned = sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")
+    assert "learned 32-bit signatures" in str(sparse_fx.explain(learned))
+
+
+def test_bad_encoder_files_name_the_file(tmp_path):
+    model = tiny_model("llama", layers=2)
+    _encoders(model, tmp_path)
+    (tmp_path / "encoders.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=r"encoders.json.*is not valid JSON"):
+        sparse_fx.compile(model, "hash", encoders=tmp_path, backend="eager")
+    (tmp_path / "encoders.json").write_text(json.dumps({"format": "sparse_fx.signatures/1"}))
+    with pytest.raises(ValueError, match="is not a sparse_fx.signatures/1 file"):
+        sparse_fx.compile(model, "hash", encoders=tmp_path, backend="eager")
+    with pytest.raises(ValueError, match="is not a directory"):
+        sparse_fx.compile(model, "hash", encoders=tmp_path / "encoders.json", backend="eager")
+    with pytest.raises(ValueError, match="holds no signature encoders"):
+        sparse_fx.compile(model, "hash", encoders=tmp_path / "..", backend="eager")
+
+
+def test_dense_layers_beyond_the_model_are_refused():
+    with pytest.raises(ValueError, match=r"dense_layers holds layers \[7\] but the model has 2 layers \(valid: 0..1\)"):
+        sparse_fx.compile(tiny_model("llama", layers=2), "hash", dense_layers=[7], backend="eager")
+
+
+def test_a_static_cache_passed_by_the_caller_follows_reorder_cache():
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **SMALL)
+    ids = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(7))
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        model(ids[:, -1:], past_key_values=cache)
+        cache.reorder_cache(torch.tensor([2, 0, 0]))
+    assert_side_caches_match_the_keys(model, cache, 21)

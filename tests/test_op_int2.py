@@ -1,0 +1,107 @@
+"""int2_write (bit-exact INT2 quantisation) and int2_scores (the Prism proposal scan)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from opcheck import DEV, FAST, gen, poisoned, randn
+
+from sparse_fx.lowering import kernels as K
+from sparse_fx.lowering import reference as ref
+
+
+def _keys(B, H, T, D, group, dtype, g):
+    k = torch.randn(B, H, T, D, generator=g) * 3
+    kg = k.view(B, H, T, D // group, group)
+    kg[:, :, 0] = 1.25  # constant group: scale 0, codes 0
+    if T > 1 and group >= 4:  # exact half steps: round half to even
+        kg[:, :, 1, :, :4] = torch.tensor([0.0, 1.5, 2.5, 3.0])
+        kg[:, :, 1, :, 4:] = 1.0
+    return k.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,group", [(16, 16), (64, 32), (64, 16), (64, 64), (64, 4)])
+def test_int2_write_bit_exact(dtype, D, group):
+    g = gen(D + group)
+    B, H, T, L = 2, 2, 5, 24
+    k = _keys(B, H, T, D, group, dtype, g)
+    pos = torch.arange(7, 7 + T, device=DEV)
+    codes = torch.randint(-(2**31), 2**31 - 1, (B, H, L, D // 16), generator=g, dtype=torch.int32).to(DEV)
+    scale = torch.randn(B, H, L, D // group, generator=g).half().to(DEV)
+    zero = torch.randn(B, H, L, D // group, generator=g).half().to(DEV)
+    want = [t.cpu().clone() for t in (codes, scale, zero)]
+    ref.int2_write(*want, k.cpu(), pos.cpu())
+    with poisoned():
+        K.int2_write(codes, scale, zero, k, pos)
+    for got, w in zip((codes, scale, zero), want):
+        assert torch.equal(got.cpu(), w)
+
+
+@FAST
+@given(T=st.integers(1, 40), scale_exp=st.integers(-12, 8), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_int2_write_bit_exact_any_magnitude(T, scale_exp, seed, dtype):
+    """Tiny and large key magnitudes (fp16 scale underflow / subnormals) stay bit-exact."""
+    g = gen(seed)
+    D, group, L = 64, 32, 48
+    k = (torch.randn(1, 2, T, D, generator=g) * 2.0**scale_exp).to(dtype).to(DEV)
+    pos = torch.randperm(L, generator=g)[:T].to(DEV)
+    bufs = [torch.zeros(1, 2, L, D // 16, dtype=torch.int32, device=DEV),
+            torch.zeros(1, 2, L, D // group, dtype=torch.float16, device=DEV),
+            torch.zeros(1, 2, L, D // group, dtype=torch.float16, device=DEV)]
+    want = [t.cpu().clone() for t in bufs]
+    ref.int2_write(*want, k.cpu(), pos.cpu())
+    K.int2_write(*bufs, k, pos)
+    for got, w in zip(bufs, want):
+        assert torch.equal(got.cpu(), w)
+
+
+def test_int2_round_trip_error_is_at_most_half_a_step():
+    g = gen(4)
+    k = torch.randn(2, 3, 50, 64, generator=g, dtype=torch.float64) * 5
+    codes, scale, zero = ref.int2_quantize(k, 16)
+    back = ref.int2_dequantize(codes, scale, zero).double()
+    step = scale.double().repeat_interleave(16, -1)
+    assert ((back - k).abs() <= 0.5 * step + 1e-3 * step + 1e-6).all()
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("G,D,group", [(1, 16, 16), (3, 64, 32), (4, 128, 32), (4, 64, 64)])
+def test_int2_scores_matches_reference(variant, dtype, G, D, group):
+    g = gen(G * D + group + variant)
+    B, Hkv, L = 2, 2, 150
+    k = randn(B, Hkv, L, D, g=g) * 2
+    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(k.cpu(), group))
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=dtype)
+    pos = torch.tensor([100], device=DEV)
+    with poisoned():
+        got = K.int2_scores(q, codes, scale, zero, pos, variant=variant).cpu()
+    want = ref.int2_scores(q.cpu(), codes.cpu(), scale.cpu(), zero.cpu(), pos.cpu())
+    assert got.dtype == torch.float32 and got.shape == (B, Hkv, L)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got[..., 101:]).all()
+    fin = torch.isfinite(want)
+    # the 16-bit variants carry a constant 2^k per code that cancels in fp32: ~2^k * 2^-24 relative
+    tol = (3e-4 if variant and dtype == torch.float16 else 5e-5) * want[fin].abs().max().item() * math.sqrt(D / 16)
+    torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_int2_scores_real_shapes(variant):
+    g = gen(5)
+    B, Hkv, G, L, D = 2, 8, 4, 65536, 128
+    k = randn(B, Hkv, L, D, g=g, dtype=torch.bfloat16)
+    codes, scale, zero = ref.int2_quantize(k, 32)
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
+    got = K.int2_scores(q, codes, scale, zero, None, variant=variant)
+    want = ref.int2_scores(q, codes, scale, zero)
+    assert (got - want).norm() / want.norm() < 1e-4
+
+

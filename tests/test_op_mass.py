@@ -1,0 +1,59 @@
+"""mass_scores: attention mass per candidate (the oracle over all slots, Prism refined layers over a pool)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opcheck import DEV, MASK_KINDS, gen, make_mask, poisoned, randn
+
+from sparse_fx.lowering import kernels as K
+from sparse_fx.lowering import reference as ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_mass_scores_matches_reference(dtype, mask_kind, pooled):
+    g = gen(len(mask_kind) + pooled)
+    B, Hkv, G, L, D = 2, 2, 2, 130, 16
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=dtype) * 2
+    k = randn(B, Hkv, L, D, g=g, dtype=dtype)
+    mask = make_mask(mask_kind, B, Hkv * G, L, g, torch.float32 if dtype == torch.float32 else dtype)
+    positions = None
+    if pooled:
+        positions = torch.stack([torch.stack([torch.randperm(L, generator=g)[:90] for _ in range(Hkv)]) for _ in range(B)])
+        positions[:, :, ::6] = -1
+        positions = positions.to(DEV)
+    with poisoned():
+        got = K.mass_scores(q, k, 0.3, mask, positions).cpu()
+    want = ref.mass_scores(q.cpu(), k.cpu(), 0.3, None if mask is None else mask.cpu(),
+                           None if positions is None else positions.cpu())
+    torch.testing.assert_close(got, want, atol=2e-5 if dtype == torch.float32 else 1e-4, rtol=1e-4)
+
+
+def test_mass_scores_each_head_sums_to_one():
+    g = gen(9)
+    B, Hkv, G, L, D = 1, 2, 4, 200, 64
+    q, k = randn(B, Hkv * G, 1, D, g=g), randn(B, Hkv, L, D, g=g)
+    got = K.mass_scores(q, k).cpu()
+    torch.testing.assert_close(got.sum(-1), torch.full((B, Hkv), float(G)), atol=1e-4, rtol=0)
+
+
+def test_mass_scores_nothing_readable_is_zero():
+    g = gen(10)
+    q, k = randn(1, 4, 1, 16, g=g), randn(1, 2, 64, 16, g=g)
+    mask = torch.zeros(1, 1, 1, 64, dtype=torch.bool, device=DEV)
+    assert torch.equal(K.mass_scores(q, k, None, mask).cpu(), torch.zeros(1, 2, 64))
+
+
+def test_mass_scores_equal_a_float64_softmax():
+    """Independently of the reference: per query head softmax over the readable keys, summed per KV head."""
+    g = gen(11)
+    B, Hkv, G, L, D = 1, 2, 3, 90, 16
+    q, k = randn(B, Hkv * G, 1, D, g=g), randn(B, Hkv, L, D, g=g)
+    mask = make_mask("bool", B, 1, L, g)
+    got = K.mass_scores(q, k, None, mask).cpu().double()
+    logits = (q.cpu().double() @ k.cpu().double().repeat_interleave(G, 1).transpose(-1, -2))[:, :, 0] * D**-0.5
+    logits = logits.masked_fill(~mask.cpu()[:, :, 0], float("-inf"))
+    want = torch.softmax(logits, -1).reshape(B, Hkv, G, L).sum(2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

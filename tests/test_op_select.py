@@ -1,0 +1,209 @@
+"""select_topk and hash_select: the kernels equal the reference exactly, and both equal the op's
+contract written out independently here, candidate by candidate.
+
+The contract: the window (sink from each row's first real position, then the local window) and
+then the k best eligible candidates by key, equal keys going to the later candidate, listed in
+candidate order, -1 after. Keys: integers as they are, floats rounded toward zero to bfloat16 (the
+top 16 bits of their order-preserving image).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from opcheck import DEV, MORE, SENTINEL, gen, make_mask, poisoned
+
+from sparse_fx.lowering import kernels as K
+from sparse_fx.lowering import reference as ref
+
+
+def _key(x) -> int:
+    """The ranking key of one score, from the contract (not from the reference code)."""
+    if isinstance(x, int):
+        return x
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    ordered = bits | 0x80000000 if bits < 0x80000000 else bits ^ 0xFFFFFFFF
+    return ordered >> 16
+
+
+def contract(scores, pos, k, sink, local, mask=None, positions=None, start=None) -> torch.Tensor:
+    """select_topk written out row by row in plain Python."""
+    scores, pos = scores.cpu(), pos.cpu()
+    B, Hkv, N = scores.shape
+    now = int(pos[-1])
+    readable = ref.valid_positions(None if mask is None else mask.cpu(), B, Hkv, mask.shape[-1] if mask is not None else N)
+    out = torch.full((B, Hkv, sink + local + k), -1, dtype=torch.int32)
+    for b in range(B):
+        first = 0 if start is None else int(start[b])
+        for h in range(Hkv):
+            def ok(p):
+                return 0 <= p <= now and (mask is None or bool(readable[b, h, p]))
+
+            window = [first + j if ok(first + j) and first + j <= now else -1 for j in range(sink)]
+            window += [p if ok(p) and p >= first + sink else -1 for p in range(now - local + 1, now + 1)]
+            out[b, h, : sink + local] = torch.tensor(window, dtype=torch.int32)
+            cands = []
+            for i in range(N):
+                p = i if positions is None else int(positions[b, h, i])
+                s = scores[b, h, i].item()
+                if p < first + sink or p > now - local or not ok(p):
+                    continue
+                if isinstance(s, float) and (s != s or s == float("-inf")):
+                    continue
+                cands.append((_key(s), i, p))
+            best = sorted(cands, reverse=True)[:k]
+            chosen = [p for _, i, p in sorted(best, key=lambda c: c[1])]
+            out[b, h, sink + local : sink + local + len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return out
+
+
+def _scores(kind, B, Hkv, N, g):
+    if kind == "float":
+        return torch.randn(B, Hkv, N, generator=g)
+    if kind == "ties":  # a few distinct values: the recency tie-break decides most of the selection
+        return (torch.randn(B, Hkv, N, generator=g) * 2).round() / 2
+    if kind == "near-ties":  # a few ULPs apart: equal after rounding to bfloat16
+        return 1.0 + torch.randint(0, 200, (B, Hkv, N), generator=g).float() * 2**-23
+    if kind == "hamming":  # uint8 similarities
+        return torch.randint(40, 90, (B, Hkv, N), generator=g, dtype=torch.int32).to(torch.uint8)
+    if kind == "int8":
+        return torch.randint(-128, 128, (B, Hkv, N), generator=g, dtype=torch.int32).to(torch.int8)
+    if kind == "mass":  # nonnegative, exact zeros, -inf and NaN
+        s = torch.rand(B, Hkv, N, generator=g) ** 4
+        s[s < 0.01] = 0.0
+        s[torch.rand(B, Hkv, N, generator=g) < 0.05] = float("-inf")
+        s[torch.rand(B, Hkv, N, generator=g) < 0.02] = float("nan")
+        return s
+    raise ValueError(kind)
+
+
+KINDS = ["float", "ties", "near-ties", "hamming", "int8", "mass"]
+
+
+def check(scores, pos, k, sink, local, mask=None, positions=None, start=None, **knobs):
+    with poisoned():
+        out = K.select_topk(scores, pos, k, sink, local, mask, positions, start, **knobs).cpu()
+    assert (out != SENTINEL).all(), "an output slot was never written"
+    want = ref.select_topk(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in (scores, pos, k, sink, local, mask, positions, start)))
+    assert torch.equal(out, want), f"kernel != reference at {(out != want).nonzero()[:5].tolist()}"
+    assert torch.equal(want, contract(scores, pos, k, sink, local, mask, positions, start)), "reference != contract"
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mask_kind", ["bool", "min", "bool-head"])
+def test_select_topk_equals_the_contract(kind, mask_kind):
+    g = gen(len(kind) * 7 + len(mask_kind))
+    B, Hkv, N = 2, 2, 300
+    scores = _scores(kind, B, Hkv, N, g).to(DEV)
+    mask = make_mask(mask_kind, B, Hkv * 2, N, g, now=270)
+    check(scores, torch.tensor([268, 269, 270], device=DEV), 50, 4, 16, mask)
+
+
+@MORE
+@given(kind=st.sampled_from(KINDS), mask_kind=st.sampled_from(["none", "bool", "min", "inf-head"]), pooled=st.booleans(),
+       k=st.integers(1, 320), sink=st.integers(0, 20), local=st.integers(1, 40), now=st.integers(0, 299),
+       padded=st.booleans(), seed=st.integers(0, 2**16))
+def test_select_topk_property(kind, mask_kind, pooled, k, sink, local, now, padded, seed):
+    g = gen(seed)
+    B, Hkv, L = 2, 2, 300
+    N = 120 if pooled else L
+    scores = _scores(kind, B, Hkv, N, g).to(DEV)
+    mask = make_mask(mask_kind, B, Hkv * 2, L, g, now=now)
+    start = None
+    if padded:  # left padding: row 1 starts later, its first slots unreadable
+        start = torch.tensor([0, min(now, 17)], dtype=torch.int32, device=DEV)
+        if mask is not None:
+            mask[1, ..., : int(start[1])] = False if mask.dtype == torch.bool else float("-inf")
+    positions = None
+    if pooled:  # a pool: distinct positions, -1 for no candidate
+        positions = torch.stack([torch.stack([torch.randperm(L, generator=g)[:N] for _ in range(Hkv)]) for _ in range(B)])
+        positions[..., ::5] = -1
+        positions = positions.to(DEV)
+    check(scores, torch.tensor([now], device=DEV), k, sink, local, mask, positions, start)
+
+
+@pytest.mark.parametrize("knobs", [dict(level_bits=4), dict(block=1024, waves=64), dict(block=4096, waves=1, warps=8)])
+def test_launch_knobs_do_not_change_the_selection(knobs):
+    """Levels of the radix select and the chunking of a row over programs are invisible."""
+    g = gen(30)
+    scores = _scores("ties", 2, 3, 9000, g).to(DEV)
+    mask = make_mask("bool", 2, 3, 9000, g, now=8800)
+    check(scores, torch.tensor([8800], device=DEV), 700, 8, 8, mask, **knobs)
+
+
+def test_selection_does_not_depend_on_the_cache_length():
+    """Slots after the query are never read: a longer cache (more generated tokens to come) with
+    anything in those slots selects the same positions, ties included."""
+    g = gen(31)
+    short = _scores("ties", 1, 2, 500, g)
+    long = torch.cat([short, torch.randn(1, 2, 1500, generator=g) * 100], -1)
+    pos = torch.tensor([490])
+    a = K.select_topk(short.to(DEV), pos.to(DEV), 64, 4, 4)
+    b = K.select_topk(long.to(DEV), pos.to(DEV), 64, 4, 4)
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_left_padding_moves_the_sink_to_the_first_real_token():
+    g = gen(32)
+    L, pad = 200, 37
+    scores = torch.randn(2, 1, L, generator=g).to(DEV)
+    mask = torch.ones(2, 1, 1, L, dtype=torch.bool)
+    mask[1, ..., :pad] = False
+    start = ref.first_readable(mask, 2, L)
+    assert start.tolist() == [0, pad]
+    out = check(scores, torch.tensor([150], device=DEV), 20, 5, 5, mask.to(DEV), None, start.to(DEV))
+    assert out[1, 0, :5].tolist() == list(range(pad, pad + 5))
+    assert (out[1, 0][out[1, 0] >= 0] >= pad).all(), "padding selected"
+
+
+def test_k_beyond_the_candidates_and_empty_rows():
+    g = gen(11)
+    scores = torch.randn(1, 2, 40, generator=g).to(DEV)
+    out = check(scores, torch.tensor([3], device=DEV), 64, 8, 8)  # sink and local cover everything
+    assert (out[..., 16:] == -1).all()
+    check(scores, torch.tensor([39], device=DEV), 64, 2, 2)
+
+
+# ------------------------------------------------------------------------------ hash_select
+@pytest.mark.parametrize("G,W", [(1, 1), (3, 2), (4, 1), (8, 1)])  # G * 32 * W > 254: 16-bit keys
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "inf-head"])
+def test_hash_select_equals_scoring_then_select(G, W, mask_kind):
+    g = gen(G * 10 + W + len(mask_kind))
+    B, Hkv, L = 2, 2, 2500
+    q_logits = torch.randn(B, Hkv * G, 32 * W, generator=g).to(DEV)
+    k_sig = torch.randint(-(2**31), 2**31 - 1, (B, Hkv, L, W), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
+    mask = make_mask(mask_kind, B, Hkv * G, L, g, now=2400)
+    start = torch.tensor([0, 9], dtype=torch.int32, device=DEV)
+    pos = torch.tensor([2400], device=DEV)
+    with poisoned():
+        out = K.hash_select(q_logits, k_sig, pos, 100, 8, 8, mask, start).cpu()
+    want = ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 100, 8, 8, None if mask is None else mask.cpu(), start.cpu())
+    assert torch.equal(out, want)
+    scores = ref.hamming_scores(ref.pack_signs(q_logits.cpu()), k_sig.cpu())
+    assert torch.equal(want, contract(scores, pos, 100, 8, 8, mask, None, start))
+
+
+def test_hash_select_takes_everything_when_the_budget_covers_the_row():
+    g = gen(33)
+    q_logits = torch.randn(1, 4, 32, generator=g).to(DEV)
+    k_sig = torch.randint(-(2**31), 2**31 - 1, (1, 2, 400, 1), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
+    out = K.hash_select(q_logits, k_sig, torch.tensor([300], device=DEV), 512, 4, 4).cpu()
+    assert torch.equal(out[..., 8 : 8 + 293], torch.arange(4, 297, dtype=torch.int32).expand(1, 2, 293))
+    assert (out[..., 8 + 293 :] == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind,L,k", [("hamming", 131072, 4096), ("float", 131072, 16384), ("ties", 16384, 4096)])
+def test_select_real_shapes(kind, L, k):
+    g = gen(16)
+    scores = _scores(kind, 2, 8, L, g).to(DEV)
+    pos = torch.tensor([L - 5], device=DEV)
+    mask = torch.ones(2, 1, 1, L, dtype=torch.bool, device=DEV)
+    out = K.select_topk(scores, pos, k, 128, 128, mask)
+    assert torch.equal(out.cpu(), ref.select_topk(scores.cpu(), pos.cpu(), k, 128, 128, mask.cpu()))
