@@ -33,9 +33,10 @@ from transformers import AttentionInterface
 import sparse_fx
 from sparse_fx.data import token_windows
 from sparse_fx.models import load_model
-from sparse_fx.runtime.encoders import SignatureEncoders, apply_head_mlp
-from sparse_fx.runtime.state import Encoders
-from sparse_fx.train import fingerprint, oracle_scores
+from sparse_fx.lowering.reference import kept, selection_keys
+from sparse_fx.model_info import ModelInfo
+from sparse_fx.runtime.encoders import Encoders, SignatureEncoders, apply_head_mlp
+from sparse_fx.train import oracle_scores
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
@@ -50,11 +51,11 @@ class Selector:
             raise ValueError(f"bench/teacher_agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
         c = model.config
         self.plan, self.budget = plan, budget
-        self.roles = plan.layer_roles(c.num_hidden_layers)
+        self.roles = sparse_fx.methods.get(plan.method).roles(plan, c.num_hidden_layers, set(plan.dense_layers))
         self.shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         trained = SignatureEncoders.load(plan.encoders) if plan.encoders else None
         if trained is not None:
-            trained.check(fingerprint(model))
+            trained.check(ModelInfo.of(model).fingerprint(model))
         self.encoders = Encoders(plan.bits, plan.seed, trained) if plan.method == "hash" else None
 
     def scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
@@ -75,11 +76,14 @@ class Selector:
         T = k.shape[1]
         key = torch.arange(T, device=k.device)[None, :]
         visible = key <= positions[:, None]
-        kept = ((key < self.plan.sink) | (key > positions[:, None] - self.plan.local)) & visible
-        s = self.scores(layer, q, k, positions, scale).float()
-        s = s.masked_fill(~visible[None] | kept[None], float("-inf"))
-        chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(2, torch.topk(s, self.budget, -1).indices, True)
-        return (chosen | kept[None]) & visible[None]
+        keep = kept(key, positions[:, None], self.plan.sink, self.plan.local) & visible
+        # the served ranking: keys as the kernels compare them, equal keys to the most recent position
+        ranked = selection_keys(self.scores(layer, q, k, positions, scale).float()) * (T + 1) + key
+        ranked = ranked.masked_fill(~visible[None] | keep[None], torch.iinfo(torch.int64).min)
+        top = torch.topk(ranked, self.budget, -1)
+        chosen = torch.zeros(ranked.shape, dtype=torch.bool, device=k.device)
+        chosen.scatter_(2, top.indices, top.values > torch.iinfo(torch.int64).min)
+        return (chosen | keep[None]) & visible[None]
 
 
 class TeacherMask:

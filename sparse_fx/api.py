@@ -108,7 +108,7 @@ def explain(model: torch.nn.Module) -> Report:
              else "prefill (several tokens): the model's own dense attention, uncompiled; then the side caches are written"]
     if state.attention_note:
         notes.append(state.attention_note)
-    return Report(plan_name=state.plan.name, method=state.method.describe(state), description=state.plan.description,
+    return Report(plan=state.plan, method=state.method.describe(state), description=state.plan.description,
                   model_type=state.info.model_type, num_layers=state.info.num_layers, rows=rows,
                   side_cache_bytes=0 if traced else state.side_caches.nbytes(), notes=notes, traced=traced)
 

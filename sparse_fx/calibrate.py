@@ -87,7 +87,7 @@ def calibrate(
 
         roles = ["dense" if r == "dense" else "refined" for r in state.roles]
         roles[sparse[0]] = "proposal"
-        uniform = base.layer_roles(len(roles))
+        uniform = handler.roles(base, len(roles), {i for i, r in enumerate(state.roles) if r == "dense"})
         history = {"uniform": ce(uniform)}
         rounds = n_proposals - 1
         bar = tqdm(total=sum(len(sparse) - 1 - r for r in range(rounds)), desc=f"calibrate {method}-g{group}", disable=not progress)

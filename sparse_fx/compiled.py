@@ -64,13 +64,11 @@ class CompiledState:
     def dense_reason(self, layer: int) -> str:
         if not 0 <= layer < len(self.roles):
             return f"layer index {layer} is outside the model's {len(self.roles)} layers"
-        if all(r == "dense" for r in self.roles):
-            return f"plan {self.plan.name} is dense"
         if layer in self.info.sliding_layers:
             return "sliding-window layer (already local attention)"
         if layer in self.plan.dense_layers:
             return "dense_layers option"
-        return "plan role: dense"
+        return f"plan {self.plan.name} keeps this layer dense"
 
     def budget_text(self) -> str:
         p = self.plan

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .plan import Plan
+
 COLUMNS = (
     ("layer", "layer"),
     ("call_form", "call form"),
@@ -50,7 +52,7 @@ class GraphReport:
 
 @dataclass
 class Report:
-    plan_name: str
+    plan: Plan
     method: str  # the method as it runs (e.g. learned or random signatures)
     description: str
     model_type: str
@@ -75,7 +77,8 @@ class Report:
         return [r.layer for r in self.rows if r.action != "sparse"]
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["plan"] = self.plan.to_dict()
         d["rows"] = [dataclasses.asdict(r) for r in self.rows]
         return d
 

@@ -62,7 +62,7 @@ def test_plan_for_another_layer_count_is_a_clear_error(model, tmp_path):
 
 
 def test_calibrate_rejects_bad_input(model):
-    with pytest.raises(ValueError, match="prism or static"):
+    with pytest.raises(ValueError, match="valid: prism, static"):
         sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), method="hash")
     with pytest.raises(ValueError, match="nothing to prefill"):
         sparse_fx.calibrate(model, torch.ones(1, 10, dtype=torch.long), steps=16)

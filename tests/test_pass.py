@@ -191,4 +191,4 @@ def test_recompiling_with_another_plan_replaces_the_first():
     dense = ToyDecoder()
     for a, b in zip(run(dense), run(model)):
         torch.testing.assert_close(a, b)
-    assert sparse_fx.explain(model).plan_name == "dense"
+    assert sparse_fx.explain(model).plan.name == "dense"

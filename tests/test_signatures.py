@@ -10,7 +10,8 @@ from transformers import StaticCache
 
 import sparse_fx
 from families import tiny_model
-from sparse_fx.train import TrainConfig, capture_windows, fingerprint, train_on_windows
+from sparse_fx.model_info import ModelInfo
+from sparse_fx.train import TrainConfig, capture_windows, train_on_windows
 
 SMALL = dict(context=400, queries=24, top=8, steps=60, batch_queries=8, batch_keys=200, lr=3e-3, seed=0)
 
@@ -148,7 +149,7 @@ def test_save_load_round_trip_and_compile_from_path(trained, tmp_path):
     model, enc = trained
     enc.save(tmp_path / "enc")
     back = sparse_fx.SignatureEncoders.load(tmp_path / "enc")
-    assert back.fingerprint == enc.fingerprint == fingerprint(model) and back.bits == 32
+    assert back.fingerprint == enc.fingerprint == ModelInfo.of(model).fingerprint(model) and back.bits == 32
     for a, b in zip(enc.layers, back.layers):
         for x, y in zip(a.query.params() + a.key.params(), b.query.params() + b.key.params()):
             assert torch.equal(x, y)
@@ -177,7 +178,7 @@ def test_fingerprint_and_bits_mismatch_are_clear_errors(trained, tmp_path):
     with pytest.raises(ValueError, match="make 32-bit signatures but the plan asks for bits=64"):
         sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=enc, bits=64)
     with pytest.raises(ValueError, match="holds no signature encoders"):
-        sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path / "nothing")
+        sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path)
 
 
 def test_cli_help():
