@@ -4,18 +4,24 @@ Compares, in one process and on the same KV cache contents: Hugging Face's defau
 (eager, DynamicCache), dense decode compiled with a static cache and CUDA graphs (HF's repeat_kv +
 masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash` and `prism-g4`.
 Decode speed does not depend on weight or cache values, so caches are filled with random keys and
-values instead of running a 128K prefill per method; time to first token is measured with real
-prefills at batch 1.
+values instead of running a 128K prefill per method. Beside each step: the bytes it must read
+(weights, then K/V or side caches and selected rows) and the speed-up that bound allows.
 
-    python bench/decode_speed.py                      # the whole matrix (H200: about 10 minutes)
-    python bench/decode_speed.py --contexts 32768 --batches 1 --methods dense,hash --steps 32
-Writes <out>/decode-<date>.json (rows so far, after every configuration) and, when complete, .png.
+Time to first token (`--ttft`) is measured with real prefills: Hugging Face's own prefill on a
+static cache (the dense baseline) and each plan's; cold (the first call, compilation and kernel
+builds included) and warm (the median of 3 calls after it), and the end-to-end time of the prompt
+plus 1000 generated tokens (warm TTFT + 1000 x the step).
+
+    python bench/decode_speed.py --shapes 131072x4,131072x1 --ttft 32768,131072 --out DIR
+    python bench/decode_speed.py --contexts 32768 --batches 1 --methods dense-gqa,hash --steps 32
+Writes <out>/decode-<date>.json (rows so far, after every configuration) and, when complete, .md and .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -97,22 +103,73 @@ def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[fl
     return start.elapsed_time(end) / 1e3 / steps, first
 
 
-def time_prefill(forward, model, n: int) -> float:
+def time_prefill(forward, model, n: int, batch: int, calls: int = 4) -> tuple[float, float, list[float]]:
+    """(cold s, warm s, all calls): a prompt of n tokens into a fresh static cache, as generate() does."""
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=n + 8)
-    ids = torch.randint(0, 128256, (1, n), device="cuda")
-    with torch.no_grad():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        forward(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    ids = torch.randint(0, 128256, (batch, n), device="cuda")
+    times = []
+    for _ in range(calls):
+        cache = StaticCache(config=model.config, max_cache_len=n + 8)
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            forward(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del cache
+        torch.cuda.empty_cache()
+    return times[0], statistics.median(times[1:]), times
+
+
+def step_bytes(model, method: str, batch: int, n: int, args) -> float:
+    """Bytes one decode step must read: the weights, and per layer all K/V (dense) or the side
+    caches and the selected rows (a sparse plan)."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    R, D, layers = batch * c.num_key_value_heads, c.hidden_size // c.num_attention_heads, c.num_hidden_layers
+    K = args.budget + args.sink + args.local
+    gathered = R * K * 2 * D * 2
+    if method == "hash":
+        per_layer = R * n * 4 + gathered
+    elif method == "prism-g4":  # one proposal (INT2 codes + fp16 scale/zero) per three refined (the pool's K rows)
+        per_layer = (R * n * (D // 4 + 4 * (D // 32)) + gathered + 3 * (R * 4 * args.budget * D * 2 + gathered)) / 4
+    else:
+        per_layer = R * n * D * 2 * 2
+    return weights + layers * per_layer
+
+
+def ttft_rows(model, original_forward, contexts: list[int], batches: list[int], args) -> list[dict]:
+    """Cold and warm time to first token of dense (Hugging Face's own prefill) and each plan."""
+    rows = []
+    for n in contexts:
+        for batch in batches:
+            for method in ["dense"] + [m for m in args.methods.split(",") if m in ("hash", "prism-g4")]:
+                model.forward = original_forward
+                try:
+                    if method != "dense":
+                        sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local)
+                    cold, warm, times = time_prefill(model.forward, model, n, batch)
+                    row = dict(kind="ttft", method=method, context=n, batch=batch, cold_s=cold, warm_s=warm, calls_s=times)
+                except torch.OutOfMemoryError:
+                    row = dict(kind="ttft", method=method, context=n, batch=batch, error="does not fit in GPU memory")
+                finally:
+                    model.forward = original_forward
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    for r in rows:
+        dense = next((d for d in rows if d["method"] == "dense" and d["context"] == r["context"] and d["batch"] == r["batch"]
+                      and "warm_s" in d), None)
+        if dense and "warm_s" in r:
+            r["warm_vs_dense"] = r["warm_s"] / dense["warm_s"]
+    return rows
 
 
 def run_method(model, original_forward, method: str, batch: int, n: int, args) -> dict:
     kv_bytes = 2 * model.config.num_hidden_layers * batch * model.config.num_key_value_heads * (n + args.room) * 128 * 2
-    row = {"method": method, "batch": batch, "context": n, "kv_cache_gib": kv_bytes / 2**30}
+    row = {"method": method, "batch": batch, "context": n, "kv_cache_gib": kv_bytes / 2**30,
+           "step_bytes": step_bytes(model, method, batch, n, args)}
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model.forward = original_forward
@@ -140,8 +197,6 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
         row["step_ms"] = step * 1e3
         row["tokens_per_s"] = batch / step
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if args.ttft and batch == 1:
-            row["ttft_s"] = time_prefill(model.forward if method in ("hash", "prism-g4") else original_forward, model, n) + step
     except torch.OutOfMemoryError:
         row["error"] = "does not fit in GPU memory"
     except Exception as e:  # noqa: BLE001 - one method failing must not lose the others' numbers
@@ -157,7 +212,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="32768,65536,131072")
     p.add_argument("--batches", default="1,4", help="batches at every context (16 is added at 32K)")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--shapes", default=None, help="CONTEXTxBATCH,... instead of --contexts x --batches (e.g. 131072x4,65536x8)")
+    p.add_argument("--methods", default="hf-default,dense-gqa,hash,prism-g4", help=f"from {', '.join(METHODS)}")
     p.add_argument("--steps", type=int, default=128, help="decode steps timed per configuration")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--room", type=int, default=256, help="free cache slots after the filled context")
@@ -165,7 +221,9 @@ def main() -> None:
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--local", type=int, default=128)
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--ttft", action="store_true", help="also time real prefills at batch 1")
+    p.add_argument("--ttft", default="", help="contexts whose time to first token to measure (e.g. 32768,65536,131072)")
+    p.add_argument("--ttft-batches", default="1", help="batches of the time-to-first-token runs")
+    p.add_argument("--repeat", type=int, default=1, help="time each decode configuration this many times (median kept)")
     benchlib.add_out(p)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -176,15 +234,27 @@ def main() -> None:
     AttentionInterface.register("sdpa_gqa", sdpa_gqa_attention)
     model = build_model(args.layers)
     original_forward = model.forward
-    configs = [(b, n) for n in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
-    if "32768" in args.contexts.split(",") and "16" not in args.batches.split(","):
-        configs.append((16, 32768))
+    if args.shapes:
+        configs = [(int(b), int(n)) for n, b in (s.split("x") for s in args.shapes.split(","))]
+    else:
+        configs = [(b, n) for n in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
+        if "32768" in args.contexts.split(",") and "16" not in args.batches.split(","):
+            configs.append((16, 32768))
     meta = benchlib.header(args)
     rows = []
+    if args.ttft:
+        rows += ttft_rows(model, original_forward, [int(n) for n in args.ttft.split(",")],
+                          [int(b) for b in args.ttft_batches.split(",")], args)
+        save(rows, configs, args.out, meta, complete=False)
     for batch, n in configs:
         for method in args.methods.split(","):
             t0 = time.perf_counter()
-            row = run_method(model, original_forward, method, batch, n, args)
+            runs = [run_method(model, original_forward, method, batch, n, args) for _ in range(args.repeat)]
+            row = runs[0]
+            if all("step_ms" in r for r in runs) and len(runs) > 1:
+                row["runs_step_ms"] = [r["step_ms"] for r in runs]
+                row["step_ms"] = statistics.median(row["runs_step_ms"])
+                row["tokens_per_s"] = batch / row["step_ms"] * 1e3
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -194,24 +264,46 @@ def main() -> None:
 
 
 def save(rows: list[dict], configs, out, meta: dict, complete: bool) -> None:
+    decode = [r for r in rows if r.get("kind") != "ttft"]
     for batch, n in configs:
-        same = [r for r in rows if r["batch"] == batch and r["context"] == n and "tokens_per_s" in r]
-        best = max((r["tokens_per_s"] for r in same if r["method"] in ("dense", "dense-gqa", "hf-default")), default=None)
+        same = [r for r in decode if r["batch"] == batch and r["context"] == n and "tokens_per_s" in r]
+        dense = [r for r in same if r["method"] in ("dense", "dense-gqa", "hf-default")]
+        best = max(dense, key=lambda r: r["tokens_per_s"], default=None)
         for r in same:
-            r["speedup_vs_best_dense"] = r["tokens_per_s"] / best if best else None
+            r["speedup_vs_best_dense"] = r["tokens_per_s"] / best["tokens_per_s"] if best else None
+            r["bytes_ceiling_vs_best_dense"] = best["step_bytes"] / r["step_bytes"] if best else None
+    for r in rows:  # a prompt of `context` tokens and 1000 generated ones, from the two measurements
+        step = next((d["step_ms"] for d in decode if d["method"] == (r["method"] if r["method"] != "dense" else "dense-gqa")
+                     and d["context"] == r["context"] and d["batch"] == r["batch"] and "step_ms" in d), None)
+        if r.get("kind") == "ttft" and step is not None and "warm_s" in r:
+            r["prompt_plus_1000_tokens_s"] = r["warm_s"] + 1000 * step / 1e3
     benchlib.save(out, f"decode-{meta['date'][:10]}", {"meta": meta, "complete": complete, "rows": rows},
-                  plot=(lambda path: plot(rows, path)) if complete else None)
+                  markdown=markdown(rows, meta) if complete else None,
+                  plot=(lambda path: plot(decode, path)) if complete else None)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"End to end on {meta['gpu']}, Llama-3.1-8B shape (random bf16 weights); `{meta['command']}`", "",
+             "| context | batch | method | tokens/s | step ms | vs best dense | bytes bound | compile s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("kind") == "ttft" or "step_ms" not in r:
+            continue
+        s, c = r.get("speedup_vs_best_dense"), r.get("bytes_ceiling_vs_best_dense")
+        lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
+                     f"{s:.2f}x | {c:.2f}x | {r['compile_s']:.0f} |" if s is not None else
+                     f"| {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | - | - | {r['compile_s']:.0f} |")
+    ttft = [r for r in rows if r.get("kind") == "ttft" and "warm_s" in r]
+    if ttft:
+        lines += ["", "| context | batch | method | TTFT warm s | vs dense | TTFT cold s | prompt + 1000 tokens s |", "|---|---|---|---|---|---|---|"]
+        for r in ttft:
+            e2e = r.get("prompt_plus_1000_tokens_s")
+            lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['warm_s']:.3f} | {r.get('warm_vs_dense', 1.0):.3f} | "
+                         f"{r['cold_s']:.3f} | {f'{e2e:.2f}' if e2e else '-'} |")
+    return "\n".join(lines) + "\n"
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'ctx':>7} {'B':>3} {'method':<11} {'tok/s':>9} {'vs dense':>8} {'step ms':>8} {'compile s':>9} {'peak GiB':>8}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['context']:>7} {r['batch']:>3} {r['method']:<11} {r['error']}")
-            continue
-        s = r.get("speedup_vs_best_dense")
-        print(f"{r['context']:>7} {r['batch']:>3} {r['method']:<11} {r['tokens_per_s']:>9.1f} {s or 0:>8.2f} "
-              f"{r['step_ms']:>8.2f} {r['compile_s']:>9.1f} {r['peak_gib']:>8.1f}")
+    print(markdown(rows, {"gpu": "this GPU", "command": "(above)"}))
 
 
 def plot(rows, path) -> None:

@@ -34,6 +34,8 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="two configurations per kernel")
     p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
+    p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "int2", "attention"],
+                   help="sweep only these kernels")
     p.add_argument("--out", default="bench/results")
     return p.parse_args()
 
@@ -234,77 +236,77 @@ def main() -> None:
         def per_layer(fn):
             return lambda: [fn(i) for i in range(nl)]
 
-        hash_bytes = R * L * (4 + 1 + 1 + 1)  # signatures, mask row, keys written and read
-        space = dict(block=[1024, 2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
-        best["hash_select"] = sweep("hash_select", space, lambda **c: per_layer(
-            lambda i: S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask, None, **c)),
-            hash_bytes * nl, copy, res["rows"], shape)
-        best["hash_select"]["ms"] /= nl
-        if old is not None:
-            def old_hash(i):
-                s = old.hamming_scores(old.pack_signs(st.qlog[i]), st.sig[i])
-                return old.select_topk(s, st.pos, BUDGET, SINK, LOCAL, st.mask)
-            ms = time_graph(per_layer(old_hash)) / nl
-            best["hash_select_old"] = dict(ms=ms)
-            print(f"  hash (previous kernels) {ms * 1e3:8.1f} us", flush=True)
+        def want(kernel: str) -> bool:
+            return ARGS.only is None or kernel in ARGS.only
 
-        scores = [I.int2_scores(st.q[i], *st.int2[i], st.pos) for i in range(nl)]
+        def record(name: str, found: dict) -> None:
+            best[name] = {**found, "ms": found["ms"] / nl}  # per layer (the row keeps the NL-layer time)
+
+        profile = {}
+        if want("hash"):
+            hash_bytes = R * L * (4 + 1 + 1 + 1)  # signatures, mask row, keys written and read
+            space = dict(block=[1024, 2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
+            record("hash_select", sweep("hash_select", space, lambda **c: per_layer(
+                lambda i: S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask, None, **c)),
+                hash_bytes * nl, copy, res["rows"], shape))
+            if old is not None:
+                def old_hash(i):
+                    s = old.hamming_scores(old.pack_signs(st.qlog[i]), st.sig[i])
+                    return old.select_topk(s, st.pos, BUDGET, SINK, LOCAL, st.mask)
+                best["hash_select_old"] = dict(ms=time_graph(per_layer(old_hash)) / nl)
+            cfg = best["hash_select"]["config"]
+            profile["hash_select"] = kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL,
+                                                                        st.mask, None, **cfg))
         pool_n = RHO * BUDGET
-        sel_bytes = R * L * (4 + 1 + 2 + 2 + 2)
-        space = dict(block=[2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
-        best["select_pool"] = sweep("select_topk 128K->pool", space, lambda **c: per_layer(
-            lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
-            sel_bytes * nl, copy, res["rows"], shape)
-        best["select_pool"]["ms"] /= nl
-        if old is not None:
-            ms = time_graph(per_layer(lambda i: old.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask))) / nl
-            best["select_pool_old"] = dict(ms=ms)
-            print(f"  select (previous)       {ms * 1e3:8.1f} us", flush=True)
-        pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
-                 for i in range(nl)]
-        pscores = [torch.gather(scores[i], 2, pools[i].clamp(min=0).long()) for i in range(nl)]
-        best["select_in_pool"] = sweep("select_topk in pool", dict(block=[1024, 4096], warps=[4], waves=[4, 8], level_bits=[4, 8]),
-                                       lambda **c: per_layer(lambda i: S.select_topk(
-                                           pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
-                                       R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape)
-        best["select_in_pool"]["ms"] /= nl
-
-        int2_bytes = R * L * (D // 4 + 4 * (D // 32) + 4)
-        space = dict(block_l=[64, 128], warps=[4, 8], stages=[2, 3], variant=[0, 1])
-        best["int2_scores"] = sweep("int2_scores", space, lambda **c: per_layer(
-            lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, **c)), int2_bytes * nl, copy, res["rows"], shape)
-        best["int2_scores"]["ms"] /= nl
-        if old is not None:
-            ms = time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *st.int2[i]))) / nl
-            best["int2_scores_old"] = dict(ms=ms)
-            print(f"  int2 (previous)         {ms * 1e3:8.1f} us", flush=True)
-
-        idx = [S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask) for i in range(nl)]
-        att_bytes = R * (BUDGET + SINK + LOCAL) * (2 * D * 2 + 4)
-        space = dict(block_n=[32, 64], warps=[4], stages=[2, 3], waves=[4, 8, 16])
-        best["attention"] = sweep("sparse_decode_attention", space, lambda **c: per_layer(
-            lambda i: A.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask, **c)),
-            att_bytes * nl, copy, res["rows"], shape)
-        best["attention"]["ms"] /= nl
-        if old is not None:
-            ms = time_graph(per_layer(lambda i: old.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask))) / nl
-            best["attention_old"] = dict(ms=ms)
-            print(f"  attention (previous)    {ms * 1e3:8.1f} us", flush=True)
-        bc = {k: v["config"] for k, v in best.items() if isinstance(v, dict) and "config" in v}
-        best["profile"] = {
-            "hash_select": kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
-                                                              None, **bc["hash_select"])),
-            "select_pool": kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask, None, None,
-                                                              **bc["select_pool"])),
-            "select_in_pool": kernel_times(lambda: S.select_topk(pscores[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
-                                                                 pools[0], None, **bc["select_in_pool"])),
-            "attention": kernel_times(lambda: A.sparse_decode_attention(st.q[0], st.k[0], st.v[0], idx[0], None, st.mask,
-                                                                        **bc["attention"])),
-        }
-        for name, times in best["profile"].items():
+        if want("select") or want("int2"):
+            scores = [I.int2_scores(st.q[i], *st.int2[i], st.pos) for i in range(nl)]
+        if want("select"):
+            sel_bytes = R * L * (4 + 1 + 2 + 2 + 2)
+            space = dict(block=[2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
+            record("select_pool", sweep("select_topk 128K->pool", space, lambda **c: per_layer(
+                lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
+                sel_bytes * nl, copy, res["rows"], shape))
+            if old is not None:
+                best["select_pool_old"] = dict(ms=time_graph(per_layer(
+                    lambda i: old.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask))) / nl)
+            pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
+                     for i in range(nl)]
+            pscores = [torch.gather(scores[i], 2, pools[i].clamp(min=0).long()) for i in range(nl)]
+            record("select_in_pool", sweep("select_topk in pool", dict(block=[1024, 4096], warps=[4], waves=[4, 8],
+                                                                       level_bits=[4, 8]),
+                                           lambda **c: per_layer(lambda i: S.select_topk(
+                                               pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
+                                           R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape))
+            cfg, cfg_in = best["select_pool"]["config"], best["select_in_pool"]["config"]
+            profile["select_pool"] = kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask,
+                                                                        None, None, **cfg))
+            profile["select_in_pool"] = kernel_times(lambda: S.select_topk(pscores[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
+                                                                           pools[0], None, **cfg_in))
+        if want("int2"):
+            int2_bytes = R * L * (D // 4 + 4 * (D // 32) + 4)
+            space = dict(block_l=[64, 128], warps=[4, 8], stages=[2, 3], variant=[0, 1, 2])
+            record("int2_scores", sweep("int2_scores", space, lambda **c: per_layer(
+                lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, **c)), int2_bytes * nl, copy, res["rows"], shape))
+            if old is not None:
+                best["int2_scores_old"] = dict(ms=time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *st.int2[i]))) / nl)
+        if want("attention"):
+            idx = [S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask) for i in range(nl)]
+            att_bytes = R * (BUDGET + SINK + LOCAL) * (2 * D * 2 + 4)
+            space = dict(block_n=[32, 64], warps=[4], stages=[2, 3], waves=[4, 8, 16])
+            record("attention", sweep("sparse_decode_attention", space, lambda **c: per_layer(
+                lambda i: A.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask, **c)),
+                att_bytes * nl, copy, res["rows"], shape))
+            if old is not None:
+                best["attention_old"] = dict(ms=time_graph(per_layer(
+                    lambda i: old.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask))) / nl)
+            cfg = best["attention"]["config"]
+            profile["attention"] = kernel_times(lambda: A.sparse_decode_attention(st.q[0], st.k[0], st.v[0], idx[0], None,
+                                                                                  st.mask, **cfg))
+        best["profile"] = profile
+        for name, times in profile.items():
             print(f"  profile {name}: " + ", ".join(f"{k.split('(')[0][:28]} {v}" for k, v in times.items()), flush=True)
         res["best"].append(best)
-        del st, scores, pools, pscores, idx
+        del st
         torch.cuda.empty_cache()
         out = Path(ARGS.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from opcheck import DEV, FAST, MASK_KINDS, gen, make_mask, poisoned, randn
 
+import sparse_fx
 from sparse_fx.lowering import kernels as K
 from sparse_fx.lowering import reference as ref
 
@@ -159,3 +162,110 @@ def test_sparse_attention_real_shapes(dtype, D):
 
 
 test_sparse_attention_real_shapes = pytest.mark.gpu(test_sparse_attention_real_shapes)
+
+
+# ------------------------------------------------------------------ through torch.ops (any head dim: the reference)
+def dense_masked_fp64(q, k, v, keep, scale, bias=None):
+    """Oracle: fp64 dense attention where only `keep` [B,Hq,L] positions count (plus `bias`)."""
+    B, Hq, _, D = q.shape
+    G = Hq // k.shape[1]
+    kk = k.double().repeat_interleave(G, 1)
+    vv = v.double().repeat_interleave(G, 1)
+    logits = (q.double() @ kk.transpose(-1, -2))[:, :, 0] * scale  # [B,Hq,L]
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.masked_fill(~keep, float("-inf"))
+    w = torch.softmax(logits, -1).nan_to_num(0.0)
+    return (w[:, :, None, :] @ vv)  # [B,Hq,1,Dv]
+
+
+@st.composite
+def attention_case(draw):
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.sampled_from([1, 2, 4]))
+    D = draw(st.sampled_from([64, 128, 24]))
+    L = draw(st.integers(1, 70))
+    K = draw(st.integers(1, 80))
+    seed = draw(st.integers(0, 2**31 - 1))
+    mask_kind = draw(st.sampled_from(["none", "bool", "float", "float_per_head"]))
+    return B, Hkv * G, Hkv, D, L, K, seed, mask_kind
+
+
+def random_indices(B, Hkv, L, K, g):
+    """[B,Hkv,K] distinct positions in a random order, padded with -1 when K > L or by chance."""
+    out = torch.full((B, Hkv, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            n = int(torch.randint(0, min(K, L) + 1, (1,), generator=g))
+            pos = torch.randperm(L, generator=g)[:n].int()
+            slots = torch.randperm(K, generator=g)[:n]
+            out[b, h, slots] = pos
+    return out
+
+
+@given(attention_case())
+def test_sparse_decode_attention_equals_fp64_masked_dense(case):
+    B, Hq, Hkv, D, L, K, seed, mask_kind = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    idx = random_indices(B, Hkv, L, K, g)
+    keep = torch.zeros(B, Hkv, L, dtype=torch.bool)
+    for b in range(B):
+        for h in range(Hkv):
+            sel = idx[b, h][idx[b, h] >= 0].long()
+            keep[b, h, sel] = True
+    keep = keep.repeat_interleave(Hq // Hkv, 1)
+    mask, bias = None, None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, 1, L, generator=g) > 0.3
+        keep = keep & mask[:, :, 0]
+    elif mask_kind.startswith("float"):
+        heads = Hq if mask_kind == "float_per_head" else 1
+        mask = torch.randn(B, heads, 1, L, generator=g)
+        mask = mask.masked_fill(torch.rand(B, heads, 1, L, generator=g) < 0.2, float("-inf"))
+        bias = mask[:, :, 0].double().expand(B, Hq, L)
+        keep = keep & torch.isfinite(bias)
+    scale = 0.7 / math.sqrt(D)
+    out = sparse_fx.ops.sparse_decode_attention(q, k, v, idx, scale, mask)
+    expect = dense_masked_fp64(q, k, v, keep, scale, bias.nan_to_num(neginf=0.0) if bias is not None else None)
+    assert out.shape == (B, Hq, 1, D) and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_decode_attention_budget_covering_everything_is_sdpa():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 8, 1, 64, generator=g), torch.randn(2, 2, 50, 64, generator=g), torch.randn(2, 2, 50, 64, generator=g)
+    idx = torch.stack([torch.randperm(50, generator=g) for _ in range(4)]).reshape(2, 2, 50).int()
+    out = torch.ops.sparse_fx.sparse_decode_attention(q, k, v, idx, None, None)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(q=torch.randn(1, 3, 1, 16)), "multiple of KV heads"),
+        (dict(q=torch.randn(1, 4, 2, 16)), "one decode query"),
+        (dict(indices=torch.zeros(1, 2, 3)), "integer"),
+        (dict(indices=torch.zeros(1, 3, 3, dtype=torch.int32)), r"\[B, Hkv, K\]"),
+        (dict(mask=torch.zeros(1, 1, 10)), "mask must be"),
+    ],
+)
+def test_sparse_decode_attention_rejects_bad_input(bad, match):
+    args = dict(q=torch.randn(1, 4, 1, 16), k=torch.randn(1, 2, 10, 16), v=torch.randn(1, 2, 10, 16),
+                indices=torch.zeros(1, 2, 3, dtype=torch.int32), scale=None, mask=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        sparse_fx.ops.sparse_decode_attention(**args)
+
+
+# ----------------------------------------------------------------------------- signatures
+def bits_of(words: torch.Tensor) -> torch.Tensor:
+    """[..., W] int32 -> [..., 32W] bool, bit by bit in Python."""
+    flat = words.reshape(-1, words.shape[-1]).tolist()
+    out = [[(w >> j) & 1 == 1 for w in row for j in range(32)] for row in flat]
+    return torch.tensor(out, dtype=torch.bool).reshape(*words.shape[:-1], words.shape[-1] * 32)
+
+

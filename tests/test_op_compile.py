@@ -86,3 +86,33 @@ def test_exact_ops_under_inductor_equal_the_reference_bit_for_bit():
         assert torch.equal(a, b)
     c, s, z = ref.int2_quantize(k, 32)
     assert torch.equal(compiled_bufs[0][:, :, pos], c) and torch.equal(compiled_bufs[1][:, :, pos], s)
+
+
+# ------------------------------------------------------------------ registration (schema, fake tensors, AOT)
+OPS = torch.ops.sparse_fx
+
+
+def _opcheck_cases():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g)
+    mask = torch.rand(1, 1, 1, 20, generator=g) > 0.2
+    idx = torch.tensor([[[0, 5, -1, 7], [1, 2, 3, 19]]], dtype=torch.int32)
+    codes, scale, zero = ref.int2_quantize(k, 16)
+    sig = OPS.pack_signs(torch.randn(1, 2, 20, 32, generator=g))
+    pos = torch.tensor([19])
+    return [
+        (OPS.sparse_decode_attention.default, (q, k, v, idx, 0.3, mask)),
+        (OPS.pack_signs.default, (torch.randn(3, 64, generator=g),)),
+        (OPS.hamming_scores.default, (OPS.pack_signs(torch.randn(1, 4, 32, generator=g)), sig)),
+        (OPS.signature_write.default, (sig.clone(), torch.randn(1, 2, 1, 32, generator=g), pos)),
+        (OPS.int2_write.default, (codes.clone(), scale.clone(), zero.clone(), torch.randn(1, 2, 1, 32, generator=g), pos)),
+        (OPS.int2_scores.default, (q, codes, scale, zero, pos)),
+        (OPS.mass_scores.default, (q, k, 0.3, mask, idx.long())),
+        (OPS.select_topk.default, (torch.randn(1, 2, 20, generator=g), pos, 4, 2, 3, mask, None, torch.tensor([1]))),
+        (OPS.hash_select.default, (torch.randn(1, 4, 32, generator=g), sig, pos, 4, 2, 3, mask, None)),
+    ]
+
+
+@pytest.mark.parametrize("op, args", _opcheck_cases(), ids=lambda x: getattr(x, "__name__", "")[:40])
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

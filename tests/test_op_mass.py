@@ -7,6 +7,7 @@ import torch
 from opcheck import DEV, MASK_KINDS, gen, make_mask, poisoned, randn
 
 from sparse_fx.lowering import kernels as K
+from sparse_fx.lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
 from sparse_fx.lowering import reference as ref
 
 
@@ -57,3 +58,18 @@ def test_mass_scores_equal_a_float64_softmax():
     logits = logits.masked_fill(~mask.cpu()[:, :, 0], float("-inf"))
     want = torch.softmax(logits, -1).reshape(B, Hkv, G, L).sum(2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mass_scores_sum_per_head_softmax_over_readable_candidates():
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+    mask = torch.ones(1, 1, 1, 30, dtype=torch.bool)
+    mask[..., 25:] = False
+    full = torch.ops.sparse_fx.mass_scores(q, k, 0.25, mask, None)
+    p = torch.softmax(((q @ k.repeat_interleave(2, 1).transpose(-1, -2))[:, :, 0] * 0.25).masked_fill(~mask[0, 0], -1e30), -1)
+    torch.testing.assert_close(full, p.reshape(1, 2, 2, 30).sum(2))
+    assert full[..., 25:].abs().max() == 0
+    pool = torch.tensor([[[3, 7, -1, 26, 0], [1, 2, 3, 4, 5]]])
+    sub = torch.ops.sparse_fx.mass_scores(q, k, 0.25, mask, pool)
+    assert sub[0, 0, 2] == 0 and sub[0, 0, 3] == 0  # empty slot, masked position
+    torch.testing.assert_close(sub.sum(-1), torch.tensor([[2.0, 2.0]]))
