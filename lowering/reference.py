@@ -262,7 +262,8 @@ def first_readable(mask: torch.Tensor | None, batch: int, length: int) -> torch.
     if mask is None:
         return torch.zeros(batch, dtype=torch.int32)
     ok = valid_positions(mask, batch, 1, length, mask.device)[:, 0]  # [B, L]
-    return ok.to(torch.int32).argmax(-1).to(torch.int32)
+    first = torch.where(ok, torch.arange(length, device=mask.device), length).amin(-1)
+    return torch.where(first < length, first, 0).to(torch.int32)  # (a min, not an argmax of bools: compilers lower it everywhere)
 
 
 def selection_keys(scores: torch.Tensor) -> torch.Tensor:

@@ -104,20 +104,22 @@ def follow(cache, state: CompiledState) -> None:
         return
     if not followers:
         for name in FOLLOWED:
-            original = getattr(cache, name, None)
-            if original is not None:
-                setattr(cache, name, _followed(cache, name, original))
+            if hasattr(type(cache), name):
+                setattr(cache, name, _followed(cache, name))
     followers.append(weakref.ref(state))
 
 
-def _followed(cache, name: str, original):
-    ref = weakref.ref(cache)
+def _followed(cache, name: str):
+    """The class's method `name`, then the followers' update. Holds the cache weakly: a strong
+    reference from the cache's own attribute would be a cycle that keeps a freed cache's tensors
+    (gigabytes at long contexts) until the garbage collector happens to run."""
+    ref, original = weakref.ref(cache), getattr(type(cache), name)
 
     @functools.wraps(original)
     def method(*args, **kwargs):
-        out = original(*args, **kwargs)
         c = ref()
-        for follower in c.__dict__.get("_sparse_fx_followers", []) if c is not None else ():
+        out = original(c, *args, **kwargs)
+        for follower in c.__dict__.get("_sparse_fx_followers", []):
             state = follower()
             if state is None:
                 continue

@@ -173,3 +173,22 @@ def test_a_static_cache_passed_by_the_caller_follows_reorder_cache():
         model(ids[:, -1:], past_key_values=cache)
         cache.reorder_cache(torch.tensor([2, 0, 0]))
     assert_side_caches_match_the_keys(model, cache, 21)
+
+
+def test_a_dropped_cache_frees_its_memory_without_the_garbage_collector():
+    """Following a cache's mutators must not tie it in a reference cycle: at long contexts a cache
+    is gigabytes, and each generate() makes a new one."""
+    import gc
+    import weakref
+
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **SMALL)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 10)), past_key_values=cache)
+    keys = weakref.ref(cache.layers[0].keys)
+    gc.disable()
+    try:
+        del cache
+        assert keys() is None
+    finally:
+        gc.enable()

@@ -279,7 +279,10 @@ def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=
     progs = programs_per_row(B * Hkv, triton.cdiv(L, block_l), codes.device, waves=waves)
     op = torch.float32 if upcast_dot(q.dtype) or interpreting() else q.dtype
     half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
-    variant = variant if half is not None else 0  # fp32 queries: the exact path
+    if half is None:
+        variant = 0  # fp32 queries: the exact path
+    elif variant == 1 and D < 32:
+        variant = 2  # its two half-width MMAs need K = D / 2 >= 16
     torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
         q, codes, scale, zero, pos[-1:] if pos is not None else codes, out,
         Hkv, L, progs,
