@@ -86,7 +86,7 @@ class MaskView:
             self.min_half = 0.0
             return
         self.is_bool = mask.dtype == torch.bool
-        self.tensor = mask.view(torch.uint8) if self.is_bool else mask
+        self.tensor = mask  # bool masks go in as they are (Triton reads *i1); a dtype view would not lower
         self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
         self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
         self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
