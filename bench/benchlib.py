@@ -164,3 +164,67 @@ def load(out_dir, stem: str) -> dict:
     if "meta" not in data:
         data = {"meta": {k: data.pop(k) for k in LEGACY_HEADER_KEYS if k in data}, **data}
     return data
+
+
+# ------------------------------------------------------------------------------------ GPU timing
+def time_graph(fn, target_ms: float = 40.0, windows: int = 5) -> float:
+    """Median ms of one fn() call, from replays of a CUDA graph of it (launch gaps as in a
+    captured decode step; warm-up and capture on a side stream first)."""
+    import statistics
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    g.replay()
+    e1.record()
+    e1.synchronize()
+    n = max(3, min(500, int(target_ms / max(e0.elapsed_time(e1), 1e-3))))
+    times = []
+    for _ in range(windows):
+        e0.record()
+        for _ in range(n):
+            g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / n)
+    return statistics.median(times)
+
+
+def copy_gbps() -> float:
+    """Device-to-device copy of 4 GiB, bytes read + written per second (GB/s), clocks warmed first."""
+    import torch
+
+    a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    for _ in range(20):
+        b.copy_(a)
+    ms = time_graph(lambda: b.copy_(a), target_ms=200)
+    return 2 * a.numel() * 2 / ms / 1e6
+
+
+def kernel_times(fn, reps: int = 5) -> dict[str, tuple[float, int]]:
+    """Per kernel name: (device us per fn() call, launches per call), by torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key.split("(")[0][:60]: (e.device_time_total / reps, e.count // reps)
+            for e in prof.key_averages() if e.device_time_total > 0}

@@ -67,62 +67,9 @@ T0 = time.perf_counter()
 
 
 # ------------------------------------------------------------------------------------ timing
-def time_graph(fn, target_ms: float = 40.0, windows: int = 5) -> float:
-    """Median ms of one fn() call, from CUDA-graph replays."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    e1.synchronize()
-    n = max(3, min(500, int(target_ms / max(e0.elapsed_time(e1), 1e-3))))
-    times = []
-    for _ in range(windows):
-        e0.record()
-        for _ in range(n):
-            g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / n)
-    return statistics.median(times)
 
 
-def copy_gbps() -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s), on 4 GiB."""
-    a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    for _ in range(20):  # clocks up before timing
-        b.copy_(a)
-    ms = time_graph(lambda: b.copy_(a), target_ms=200)
-    return 2 * a.numel() * 2 / ms / 1e6
 
-
-def kernel_times(fn, reps: int = 5) -> dict[str, tuple[float, int]]:
-    """Per kernel name: (device us per fn() call, launches per call), by torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if e.device_time_total > 0:
-            out[e.key.split("(")[0][:60]] = (e.device_time_total / reps, e.count // reps)
-    return out
 
 
 # ------------------------------------------------------------------------------------ state
@@ -238,14 +185,14 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        row["dense_ms"] = time_graph(dense_step(st)) / st.nl
+        row["dense_ms"] = benchlib.time_graph(dense_step(st)) / st.nl
     kv = 2 * B * HKV * L * D * 2
     row["dense_gbps"] = kv / row["dense_ms"] / 1e6
     per = kernel_bytes(B, L, filled, a)
     for plan, fn, layers in (("hash", steps.hash, st.nl), ("prism-g4", steps.prism, 4)):
-        ms = time_graph(fn) / layers
+        ms = benchlib.time_graph(fn) / layers
         kernels = []
-        for name, (us, launches) in sorted(kernel_times(fn).items(), key=lambda kv_: -kv_[1][0]):
+        for name, (us, launches) in sorted(benchlib.kernel_times(fn).items(), key=lambda kv_: -kv_[1][0]):
             b = per.get(name)
             if b is not None:
                 b = b * launches / layers
@@ -286,7 +233,7 @@ def run_gpu(a) -> dict:
     warm = torch.randn(1 << 28, device="cuda")  # clocks up before the first measurement
     for _ in range(50):
         warm.mul_(1.0)
-    copy = copy_gbps()
+    copy = benchlib.copy_gbps()
     res["copy_gbps"] = copy
     print(f"# {res['meta']['gpu']}  copy {copy:.0f} GB/s", flush=True)
     for L, B, filled in shapes:

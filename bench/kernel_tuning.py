@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import json
-import os
-import statistics
 import sys
 import time
-from pathlib import Path
+
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
 HQ, HKV, D, SINK, LOCAL, BUDGET, RHO = 32, 8, 128, 128, 128, 4096, 4
 
@@ -36,14 +34,13 @@ def parse_args():
     p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
     p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "int2", "attention"],
                    help="sweep only these kernels")
-    p.add_argument("--out", default="bench/results")
+    benchlib.add_out(p)
     return p.parse_args()
 
 
 ARGS = parse_args()
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 from sparse_fx.lowering.kernels import gather_attention as A  # noqa: E402
@@ -54,42 +51,7 @@ from sparse_fx.lowering.kernels import signatures as SG  # noqa: E402
 T0 = time.perf_counter()
 
 
-def time_graph(fn, target_ms: float = 30.0, windows: int = 3) -> float:
-    """Median ms of one fn() call, from CUDA-graph replays."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    e1.synchronize()
-    n = max(3, min(400, int(target_ms / max(e0.elapsed_time(e1), 1e-3))))
-    times = []
-    for _ in range(windows):
-        e0.record()
-        for _ in range(n):
-            g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / n)
-    return statistics.median(times)
 
-
-def copy_gbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    ms = time_graph(lambda: b.copy_(a), target_ms=100)
-    return 2 * a.numel() * 2 / ms / 1e6
 
 
 class Layers:
@@ -133,7 +95,7 @@ def sweep(name: str, space: dict, make, nbytes: float, copy: float, rows: list, 
     best = None
     for cfg in configs(space):
         try:
-            ms = time_graph(make(**cfg))
+            ms = benchlib.time_graph(make(**cfg))
         except Exception as e:  # noqa: BLE001 - a configuration the compiler rejects is skipped, noted
             rows.append(dict(kernel=name, **shape, config=cfg, error=f"{type(e).__name__}: {str(e)[:160]}"))
             continue
@@ -146,18 +108,6 @@ def sweep(name: str, space: dict, make, nbytes: float, copy: float, rows: list, 
           f"{best['config']}", flush=True)
     return best
 
-
-def kernel_times(fn, reps: int = 5) -> dict:
-    """Per-kernel device time of one fn() call (us), by torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:60]: round(e.device_time_total / reps, 2) for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def check_correctness() -> list[str]:
@@ -202,17 +152,14 @@ def check_correctness() -> list[str]:
 
 
 def main() -> None:
-    import platform
-
-    res = dict(command="python bench/kernel_tuning.py " + " ".join(sys.argv[1:]), gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-               date=time.strftime("%Y-%m-%d"), rows=[], best=[])
+    res = dict(meta=benchlib.header(ARGS), rows=[], best=[])
+    stem = f"kernel-tuning-{res['meta']['date'][:10]}"
     res["checks"] = check_correctness()
     for line in res["checks"]:
         print("check", line, flush=True)
-    copy = copy_gbps()
+    copy = benchlib.copy_gbps()
     res["copy_gbps"] = copy
-    print(f"# {res['gpu']} torch {res['torch']} triton {res['triton']} copy {copy:.0f} GB/s", flush=True)
+    print(f"# {res['meta']['gpu']} {res['meta']['versions']} copy {copy:.0f} GB/s", flush=True)
     old = None
     if ARGS.baseline:
         sys.path.insert(0, ARGS.baseline)
@@ -227,7 +174,7 @@ def main() -> None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            ms = time_graph(lambda: [torch.nn.functional.scaled_dot_product_attention(st.q[i], st.k[i], st.v[i], enable_gqa=True)
+            ms = benchlib.time_graph(lambda: [torch.nn.functional.scaled_dot_product_attention(st.q[i], st.k[i], st.v[i], enable_gqa=True)
                                      for i in range(nl)]) / nl
         kv = 2 * R * L * D * 2
         best["dense_sdpa"] = dict(ms=ms, bytes=kv, gbps=kv / ms / 1e6, copy_fraction=kv / ms / 1e6 / copy)
@@ -253,9 +200,9 @@ def main() -> None:
                 def old_hash(i):
                     s = old.hamming_scores(old.pack_signs(st.qlog[i]), st.sig[i])
                     return old.select_topk(s, st.pos, BUDGET, SINK, LOCAL, st.mask)
-                best["hash_select_old"] = dict(ms=time_graph(per_layer(old_hash)) / nl)
+                best["hash_select_old"] = dict(ms=benchlib.time_graph(per_layer(old_hash)) / nl)
             cfg = best["hash_select"]["config"]
-            profile["hash_select"] = kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL,
+            profile["hash_select"] = benchlib.kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL,
                                                                         st.mask, None, **cfg))
         pool_n = RHO * BUDGET
         if want("select") or want("int2"):
@@ -267,7 +214,7 @@ def main() -> None:
                 lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
                 sel_bytes * nl, copy, res["rows"], shape))
             if old is not None:
-                best["select_pool_old"] = dict(ms=time_graph(per_layer(
+                best["select_pool_old"] = dict(ms=benchlib.time_graph(per_layer(
                     lambda i: old.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask))) / nl)
             pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
                      for i in range(nl)]
@@ -278,9 +225,9 @@ def main() -> None:
                                                pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
                                            R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape))
             cfg, cfg_in = best["select_pool"]["config"], best["select_in_pool"]["config"]
-            profile["select_pool"] = kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask,
+            profile["select_pool"] = benchlib.kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask,
                                                                         None, None, **cfg))
-            profile["select_in_pool"] = kernel_times(lambda: S.select_topk(pscores[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
+            profile["select_in_pool"] = benchlib.kernel_times(lambda: S.select_topk(pscores[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
                                                                            pools[0], None, **cfg_in))
         if want("int2"):
             int2_bytes = R * L * (D // 4 + 4 * (D // 32) + 4)
@@ -288,7 +235,7 @@ def main() -> None:
             record("int2_scores", sweep("int2_scores", space, lambda **c: per_layer(
                 lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, **c)), int2_bytes * nl, copy, res["rows"], shape))
             if old is not None:
-                best["int2_scores_old"] = dict(ms=time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *st.int2[i]))) / nl)
+                best["int2_scores_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *st.int2[i]))) / nl)
         if want("attention"):
             idx = [S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask) for i in range(nl)]
             att_bytes = R * (BUDGET + SINK + LOCAL) * (2 * D * 2 + 4)
@@ -297,22 +244,20 @@ def main() -> None:
                 lambda i: A.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask, **c)),
                 att_bytes * nl, copy, res["rows"], shape))
             if old is not None:
-                best["attention_old"] = dict(ms=time_graph(per_layer(
+                best["attention_old"] = dict(ms=benchlib.time_graph(per_layer(
                     lambda i: old.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask))) / nl)
             cfg = best["attention"]["config"]
-            profile["attention"] = kernel_times(lambda: A.sparse_decode_attention(st.q[0], st.k[0], st.v[0], idx[0], None,
+            profile["attention"] = benchlib.kernel_times(lambda: A.sparse_decode_attention(st.q[0], st.k[0], st.v[0], idx[0], None,
                                                                                   st.mask, **cfg))
         best["profile"] = profile
         for name, times in profile.items():
             print(f"  profile {name}: " + ", ".join(f"{k.split('(')[0][:28]} {v}" for k, v in times.items()), flush=True)
         res["best"].append(best)
-        del st
+        st = None  # free this shape before the next is allocated
         torch.cuda.empty_cache()
-        out = Path(ARGS.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kernel-tuning.json").write_text(json.dumps(res, indent=1))
+        benchlib.save(ARGS.out, stem, res)  # a run stopped at its time limit keeps its shapes
     res["wall_s"] = time.perf_counter() - T0
-    (Path(ARGS.out) / "kernel-tuning.json").write_text(json.dumps(res, indent=1))
+    benchlib.save(ARGS.out, stem, res)
     print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
           f"{'inpool':>7} {'attn':>7} {'old':>7}   (us per layer)")
     for b in res["best"]:

@@ -123,7 +123,7 @@ def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span:
     teacher = TeacherMask(span)
     AttentionInterface.register(ATTENTION, teacher)
     ids = token_windows(tok, "heldout", n + 1, windows, seed=seed).to(device)
-    sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if p.method != "dense"}
+    sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
     rows = {name: {"agreement": [], "ce_delta": [], "seconds": 0.0} for name in sparse}
     dense_ce = []
     previous = model.config._attn_implementation

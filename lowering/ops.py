@@ -157,16 +157,8 @@ def _check_select(pos: torch.Tensor, k: int, sink: int, local: int, batch: int, 
 
 
 @triton_op("sparse_fx::select_topk", mutates_args=())
-def select_topk(
-    scores: torch.Tensor,
-    pos: torch.Tensor,
-    k: int,
-    sink: int,
-    local: int,
-    mask: Optional[torch.Tensor] = None,
-    positions: Optional[torch.Tensor] = None,
-    start: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B,Hkv,sink+local+k] int32 positions: sink, local window, then the top-k candidates in candidate
     order (-1 empty); ties go to the later candidate. start [B]: each row's first real position."""
     _check_select(pos, k, sink, local, scores.shape[0], start, "select_topk")
@@ -177,16 +169,8 @@ def select_topk(
 
 
 @triton_op("sparse_fx::hash_select", mutates_args=())
-def hash_select(
-    q_logits: torch.Tensor,
-    k_sig: torch.Tensor,
-    pos: torch.Tensor,
-    k: int,
-    sink: int,
-    local: int,
-    mask: Optional[torch.Tensor] = None,
-    start: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def hash_select(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int,
+                mask: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """select_topk of the Hamming similarities of the signed query logits [B,Hq,32W] against the
     key signatures [B,Hkv,L,W] (HashAttention's decode selection, scoring fused into the select)."""
     _check(q_logits.dim() == 3 and k_sig.dim() == 4 and q_logits.shape[-1] == 32 * k_sig.shape[-1],

@@ -278,16 +278,8 @@ def selection_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered >> 16
 
 
-def select_topk(
-    scores: torch.Tensor,
-    pos: torch.Tensor,
-    k: int,
-    sink: int,
-    local: int,
-    mask: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    start: torch.Tensor | None = None,
-) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """Choose the cache positions one decode query attends to, per KV head.
 
     scores [B,Hkv,N] (float or int, larger is better) rate candidates: candidate i is cache
@@ -342,16 +334,8 @@ def select_topk(
     return torch.cat([window, chosen], dim=-1).to(torch.int32)
 
 
-def hash_select(
-    q_logits: torch.Tensor,
-    k_sig: torch.Tensor,
-    pos: torch.Tensor,
-    k: int,
-    sink: int,
-    local: int,
-    mask: torch.Tensor | None = None,
-    start: torch.Tensor | None = None,
-) -> torch.Tensor:
+def hash_select(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int,
+                mask: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """HashAttention's decode selection in one op: the query logits [B,Hq,32W] signed and packed,
     scored by Hamming similarity against the key signatures [B,Hkv,L,W] (summed over each KV
     head's query heads), then `select_topk`. The kernels fuse scoring with the first selection pass."""

@@ -66,8 +66,8 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     method = methods.get(plan.method)
     if _search:
         method = method.for_search()
-    if encoders is not None and plan.method != "hash":
-        raise ValueError(f"sparse_fx: encoders only apply to the hash plan, not {plan.name!r}")
+    if encoders is not None and not method.uses_encoders:
+        raise ValueError(f"sparse_fx: encoders only apply to the hash plan (signatures), not {plan.name!r}")
     encoders = encoders if encoders is not None else plan.encoders
     info = ModelInfo.of(model)
     method.check(info, plan)

@@ -85,10 +85,8 @@ class SparseForward:
             reasons = sorted({r.reason for r in report.rows}) or ["no attention found in the graph"]
             self._warn("dense", f"sparse_fx: no layer runs sparse in this decode step ({'; '.join(reasons)}); "
                        "see sparse_fx.explain(model)")
-        if self.state.method.name == "hash" and not self.state.encoders.learned:
-            self._warn("lsh", "sparse_fx: hash is running untrained random signatures (LSH, about 90% of the oracle's "
-                       "next-token agreement); train encoders with sparse_fx.train_signatures(model, tokenizer=...) "
-                       "and pass them as compile(..., encoders=...)")
+        for key, message in self.state.method.notices(self.state).items():
+            self._warn(key, message)
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self.state.warned:

@@ -127,7 +127,7 @@ def build_configs(model, n: int, s: Settings, device: torch.device) -> list[Conf
     """Compile every plan x sparsity for context n. Dense plans run once (sparsity does not apply)."""
     configs = []
     for plan in s.plans:
-        dense = sparse_fx.Plan.parse(plan).method == "dense"
+        dense = sparse_fx.Plan.parse(plan).dense
         for sparsity in [None] if dense else s.sparsities:
             options = dict(sink=s.sink, local=s.local) if dense else dict(budget=max(1, n // sparsity), sink=s.sink, local=s.local)
             probed = sparse_fx.compile(share_weights_copy(model), plan, measure=True, **options)
@@ -170,7 +170,7 @@ class Progress:
     def __init__(self, s: Settings, enabled: bool):
         from tqdm import tqdm
 
-        n_sparse = sum(sparse_fx.Plan.parse(p).method != "dense" for p in s.plans)
+        n_sparse = sum(not sparse_fx.Plan.parse(p).dense for p in s.plans)
         configs, plain = len(s.plans) - n_sparse + n_sparse * len(s.sparsities), n_sparse * len(s.sparsities)
         pk_steps = len(s.depths) * s.passkey_trials * (s.passkey_offset + s.answer_tokens - 1)
         total = 0.0

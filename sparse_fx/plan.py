@@ -83,8 +83,8 @@ class Plan:
             object.__setattr__(self, "roles", tuple(self.roles))
         if self.encoders is not None and not isinstance(self.encoders, (str, Path)):
             _fail(f"encoders must be a directory path, got {self.encoders!r}")
-        if self.encoders is not None and self.method != "hash":
-            _fail(f"encoders apply to the hash plan, not {self.method!r}")
+        if self.encoders is not None and not handler.uses_encoders:
+            _fail(f"encoders apply to the hash plan (signatures), not {self.method!r}")
         if self.roles is not None and not handler.explicit_roles:
             _fail(f"explicit roles need a plan with proposal and refined layers, not {self.method!r}")
         handler.validate(self)
@@ -113,6 +113,11 @@ class Plan:
     @property
     def description(self) -> str:
         return _methods().get(self.method).description
+
+    @property
+    def dense(self) -> bool:
+        """Whether the plan leaves every layer dense (it rewrites nothing)."""
+        return not _methods().get(self.method).rewrites
 
     @property
     def pool(self) -> int:

@@ -19,6 +19,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # STREAM_WAVES per SM so enough loads are in flight, each loop software-pipelined STREAM_STAGES deep.
 STREAM_WAVES = 8
 STREAM_STAGES = 3
+MAX_SPLITS = 64  # programs one row's candidates may be split over (attention, mass scores)
 
 
 def interpreting() -> bool:
@@ -109,6 +110,53 @@ def mask_readable(mask_ptr, b, h, cols, active, smb, smh, sml, min_half,
             m = tl.load(ptrs, mask=active, other=0.0).to(tl.float32)
             ok = ok | (m > min_half)
     return ok & active
+
+
+@triton.jit
+def row_chunk(now, first, p, N, sink, local, PROGS, BLOCK: tl.constexpr, HAS_POS: tl.constexpr):
+    """A selection row's candidate range [lo, hi) (cache slots between the sink and the local
+    window, or all N entries of a pool) and the block range [blk, end) of program p's chunk of it."""
+    if HAS_POS:
+        lo, hi = tl.zeros([], tl.int64), tl.zeros([], tl.int64) + N
+    else:
+        lo, hi = first + sink, tl.minimum(now - local + 1, N)
+    blk, end = chunk_of(p, lo, hi, PROGS, BLOCK)
+    return lo, hi, blk, end
+
+
+@triton.jit
+def row_of(r, Hkv):
+    """(batch, KV head) of row r, as int64 offsets (caches exceed 2**31 elements)."""
+    return (r // Hkv).to(tl.int64), (r % Hkv).to(tl.int64)
+
+
+@triton.jit
+def softmax_start(sm_scale, G_PAD: tl.constexpr):
+    """The scale pinned to fp32 (Inductor may hand a Python float in as fp64, and the loop-carried
+    state must stay fp32), and an online softmax's running max and sum per query head."""
+    return tl.full([], sm_scale, tl.float32), tl.full([G_PAD], float("-inf"), tl.float32), tl.zeros([G_PAD], tl.float32)
+
+
+@triton.jit
+def group_queries(q_ptr, b, h, sqb, sqh, sqd, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+    """The G query rows that share KV head h, as a [G_PAD, D] tile (padding rows zero): one
+    program serves them all, so each K/V row it fetches is read once for the group."""
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    return tl.load(q_ptr + b * sqb + (h * G + g)[:, None] * sqh + d[None, :] * sqd, mask=(g < G)[:, None], other=0.0)
+
+
+@triton.jit
+def eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml,
+             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr):
+    """Which candidate positions a selection may choose (reference.select_topk): after the
+    row's sink, before its local window, and readable by some query head of KV head h.
+    (Its result must not feed a store address: Inductor would take the mask as written.)"""
+    ok = live & (cand >= first + sink) & (cand <= now - local)
+    if HAS_MASK:
+        ok = mask_readable(mask_b, 0, h, tl.minimum(tl.maximum(cand, 0), L - 1), ok, 0, smh, sml, min_half,
+                           MASK_HEADS, MASK_BOOL)
+    return ok
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:

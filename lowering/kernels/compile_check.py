@@ -94,17 +94,8 @@ def compile_launch(kernel, args, kwargs, arch: int = 90):
 
 def _scenarios():
     """Launcher calls covering every constexpr path the ops take at real shapes (CPU tensors)."""
-    from . import (
-        hamming_scores,
-        hash_select,
-        int2_scores,
-        int2_write,
-        mass_scores,
-        pack_signs,
-        select_topk,
-        signature_write,
-        sparse_decode_attention,
-    )
+    from .. import kernels as K
+
 
     B, Hkv, G, L, D = 1, 8, 4, 8192, 128
     bf = torch.bfloat16
@@ -115,49 +106,49 @@ def _scenarios():
     mask_b = torch.ones(B, Hkv * G, 1, L, dtype=torch.bool)
     idx = torch.zeros(B, Hkv, 4352, dtype=torch.int32)
     pool = torch.zeros(B, Hkv, 4096, dtype=torch.int64)
-    yield "pack_signs", lambda: pack_signs(torch.zeros(B, Hkv * G, 1, 32, dtype=bf))
-    yield "signature_write", lambda: signature_write(torch.zeros(B, Hkv, L, 1, dtype=torch.int32),
+    yield "pack_signs", lambda: K.pack_signs(torch.zeros(B, Hkv * G, 1, 32, dtype=bf))
+    yield "signature_write", lambda: K.signature_write(torch.zeros(B, Hkv, L, 1, dtype=torch.int32),
                                                      torch.zeros(B, Hkv, 16, 32, dtype=bf), pos[:1].expand(16))
-    yield "hamming_scores", lambda: hamming_scores(torch.zeros(B, Hkv * G, 1, dtype=torch.int32),
+    yield "hamming_scores", lambda: K.hamming_scores(torch.zeros(B, Hkv * G, 1, dtype=torch.int32),
                                                    torch.zeros(B, Hkv, L, 1, dtype=torch.int32))
     codes = torch.zeros(B, Hkv, L, D // 16, dtype=torch.int32)
     sc = torch.zeros(B, Hkv, L, D // 32, dtype=torch.float16)
-    yield "int2_write", lambda: int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos)
-    yield "int2_scores", lambda: int2_scores(q, codes, sc, sc, pos)
-    yield "int2_scores fp32", lambda: int2_scores(q.float(), codes, sc, sc)
-    yield "mass_scores pool", lambda: mass_scores(q, k, None, mask_f, pool)
-    yield "mass_scores oracle", lambda: mass_scores(q, k, None, mask_b)
-    yield "select_topk uint8", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
-    yield "select_topk float", lambda: select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 256, 128, 128, mask_f,
+    yield "int2_write", lambda: K.int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos)
+    yield "int2_scores", lambda: K.int2_scores(q, codes, sc, sc, pos)
+    yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, sc, sc)
+    yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
+    yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
+    yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
+    yield "select_topk float", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 256, 128, 128, mask_f,
                                                    None, torch.zeros(B, dtype=torch.int32))
     qlog = torch.zeros(B, Hkv * G, 32, dtype=bf)
     sig = torch.zeros(B, Hkv, L, 1, dtype=torch.int32)
-    yield "hash_select", lambda: hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1])
-    yield "hash_select wide g8 w2", lambda: hash_select(torch.zeros(B, 16, 64, dtype=bf), torch.zeros(B, 2, L, 2, dtype=torch.int32),
+    yield "hash_select", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1])
+    yield "hash_select wide g8 w2", lambda: K.hash_select(torch.zeros(B, 16, 64, dtype=bf), torch.zeros(B, 2, L, 2, dtype=torch.int32),
                                                         pos, 512, 128, 128, mask_f, torch.zeros(B, dtype=torch.int32))
-    yield "select_topk pool", lambda: select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
+    yield "select_topk pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
                                                   mask_b, pool)
-    yield "attention bf16 split", lambda: sparse_decode_attention(q, k, k, idx, None, mask_f)
-    yield "attention bf16 one split", lambda: sparse_decode_attention(q.expand(64, -1, -1, -1), k.expand(64, -1, -1, -1),
+    yield "attention bf16 split", lambda: K.sparse_decode_attention(q, k, k, idx, None, mask_f)
+    yield "attention bf16 one split", lambda: K.sparse_decode_attention(q.expand(64, -1, -1, -1), k.expand(64, -1, -1, -1),
                                                                       k.expand(64, -1, -1, -1),
                                                                       idx[..., :64].expand(64, -1, -1), None, mask_b[:1])
-    yield "attention fp32 d64", lambda: sparse_decode_attention(q[..., :64].float(), k[..., :64].float(),
+    yield "attention fp32 d64", lambda: K.sparse_decode_attention(q[..., :64].float(), k[..., :64].float(),
                                                                 k[..., :64].float(), idx)
     # other model shapes: D=256 fp16 with 8 query heads per KV head; SmolLM2-like D=64, G=3
     h16 = torch.zeros(1, 2, 1024, 256, dtype=torch.float16)
     q16 = torch.zeros(1, 16, 1, 256, dtype=torch.float16)
-    yield "attention fp16 d256 g8", lambda: sparse_decode_attention(q16, h16, h16, idx[:, :2], None, mask_b[:, :16, :, :1024])
-    yield "mass fp16 d256 g8", lambda: mass_scores(q16, h16, None, None, pool[:, :2])
+    yield "attention fp16 d256 g8", lambda: K.sparse_decode_attention(q16, h16, h16, idx[:, :2], None, mask_b[:, :16, :, :1024])
+    yield "mass fp16 d256 g8", lambda: K.mass_scores(q16, h16, None, None, pool[:, :2])
     q3 = torch.zeros(1, 9, 1, 64, dtype=bf)
     k3 = torch.zeros(1, 3, 8192, 64, dtype=bf)
     c3 = torch.zeros(1, 3, 8192, 4, dtype=torch.int32)
     s3 = torch.zeros(1, 3, 8192, 2, dtype=torch.float16)
-    yield "int2 d64 g3", lambda: (int2_write(c3, s3, s3.clone(), k3[:, :, :1], pos), int2_scores(q3, c3, s3, s3))
-    yield "int2 d256 g8 fp16", lambda: int2_scores(q16, torch.zeros(1, 2, 1024, 16, dtype=torch.int32),
+    yield "int2 d64 g3", lambda: (K.int2_write(c3, s3, s3.clone(), k3[:, :, :1], pos), K.int2_scores(q3, c3, s3, s3))
+    yield "int2 d256 g8 fp16", lambda: K.int2_scores(q16, torch.zeros(1, 2, 1024, 16, dtype=torch.int32),
                                                    torch.zeros(1, 2, 1024, 8, dtype=torch.float16),
                                                    torch.zeros(1, 2, 1024, 8, dtype=torch.float16))
-    yield "attention d64 g3 float mask", lambda: sparse_decode_attention(q3, k3, k3, idx[:, :3], None, mask_f)
-    yield "hamming g3 w2", lambda: hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
+    yield "attention d64 g3 float mask", lambda: K.sparse_decode_attention(q3, k3, k3, idx[:, :3], None, mask_f)
+    yield "hamming g3 w2", lambda: K.hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
 
 
 def resource_usage(cubin: bytes) -> dict:

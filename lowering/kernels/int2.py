@@ -14,15 +14,8 @@ import triton.language as tl
 
 from ..reference import INT2_CODES_PER_WORD
 from .common import (
-    FLOAT_DTYPES,
-    STREAM_STAGES,
-    STREAM_WAVES,
-    interpreting,
-    is_pow2,
-    on_kernel_device,
-    pow2,
-    programs_per_row,
-    upcast_dot,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, is_pow2, on_kernel_device, pow2,
+    programs_per_row, upcast_dot,
 )
 
 INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)

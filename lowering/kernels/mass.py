@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FLOAT_DTYPES, MaskView, dot, upcast_dot, interpreting, is_pow2, mask_readable, num_sms, on_kernel_device, pow2
-
-MAX_SPLITS = 64
+from .common import (
+    FLOAT_DTYPES, MAX_SPLITS, MaskView, dot, group_queries, interpreting, is_pow2, mask_readable,
+    num_sms, on_kernel_device, pow2, row_of, softmax_start, upcast_dot,
+)
 
 
 @triton.jit
@@ -72,23 +73,17 @@ def _mass_logits_kernel(
     UPCAST: tl.constexpr,  # interpreter only: bf16 dot operands go through fp32
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU, `while` under the interpreter
 ):
-    sp = tl.program_id(0)
-    r = tl.program_id(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
-    g = tl.arange(0, G_PAD)
-    gm = g < G
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + (h * G + g)[:, None] * sqh + d[None, :] * sqd, mask=gm[:, None], other=0.0)
+    sp, r = tl.program_id(0), tl.program_id(1)
+    b, h = row_of(r, Hkv)
     k_row = k_ptr + b * skb + h * skh
     pos_row = pos_ptr + b * spb + h * sph
     mask_ptr_b = mask_ptr + b * smb
     mask_row = mask_ptr_b + (h * MASK_HEADS) * smh
     scr_row = scr_ptr + r.to(tl.int64) * G * N
-    # Inductor may hand a Python float in as fp64: pin it to fp32 so the loop-carried state stays fp32
-    sm_scale = tl.full([], sm_scale, tl.float32)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    q = group_queries(q_ptr, b, h, sqb, sqh, sqd, G, G_PAD, D)
+    sm_scale, m_i, l_i = softmax_start(sm_scale, G_PAD)
     lo = sp * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, N)
     if USE_FOR:

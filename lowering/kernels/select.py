@@ -27,14 +27,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    FLOAT_DTYPES,
-    MaskView,
-    chunk_of,
-    STREAM_WAVES,
-    interpreting,
-    on_kernel_device,
-    pow2,
-    programs_per_row,
+    FLOAT_DTYPES, STREAM_WAVES, MaskView, eligible, interpreting, mask_readable, on_kernel_device,
+    row_chunk, row_of, pow2, programs_per_row,
 )
 
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
@@ -100,15 +94,6 @@ def descend(cum_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_
     return prefix, need, above, a_before, ties, t_before
 
 
-@triton.jit
-def row_range(now, first, N, sink, local, HAS_POS: tl.constexpr):
-    """Candidate range [lo, hi) of a row: cache slots between the sink and the local window, or
-    all N entries of a pool."""
-    if HAS_POS:
-        return tl.zeros([], tl.int64), tl.zeros([], tl.int64) + N
-    return first + sink, tl.minimum(now - local + 1, N)
-
-
 # ------------------------------------------------------------------------------ key pass (scores)
 @triton.jit
 def _score_keys_block(
@@ -122,14 +107,7 @@ def _score_keys_block(
         cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1).to(tl.int64)
     else:
         cand = offs.to(tl.int64)
-    elig = live & (cand >= first + sink) & (cand <= now - local)
-    if HAS_MASK:
-        col = tl.minimum(tl.maximum(cand, 0), L - 1)
-        ok = cand < 0
-        for g in tl.static_range(MASK_HEADS):
-            m = tl.load(mask_b + (h * MASK_HEADS + g) * smh + col * sml, mask=elig, other=0)
-            ok = ok | ((m != 0) if MASK_BOOL else (m.to(tl.float32) > min_half))
-        elig = elig & ok
+    elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     if KIND == 0:
         s = tl.load(scores_row + offs * ssn, mask=elig, other=0.0).to(tl.float32)
         elig = elig & (s == s) & (s > float("-inf"))
@@ -157,18 +135,15 @@ def _score_keys_kernel(
     KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
-    p = tl.program_id(0)
-    r = tl.program_id(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
-    now = tl.load(tpos_ptr).to(tl.int64)
-    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
-    lo_c, hi_c = row_range(now, first, N, sink, local, HAS_POS)
-    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    p, r = tl.program_id(0), tl.program_id(1)
+    b, h = row_of(r, Hkv)
     scores_row = scores_ptr + b * ssb + h * ssh
     pos_row = pos_ptr + b * spb + h * sph
     mask_b = mask_ptr + b * smb
     keys_row = keys_ptr + r.to(tl.int64) * N
+    # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
+    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     base = tl.arange(0, BLOCK)
     acc = tl.zeros([1 << LB], tl.int32)
     if USE_FOR:
@@ -194,14 +169,11 @@ def _hist_kernel(
     KEY_BITS: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr, P_PAD: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_START: tl.constexpr, USE_FOR: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    r = tl.program_id(1)
-    R = tl.num_programs(1)
-    b = (r // Hkv).to(tl.int64)
-    now = tl.load(tpos_ptr).to(tl.int64)
-    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
-    lo_c, hi_c = row_range(now, first, N, sink, local, HAS_POS)
-    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    b, _ = row_of(r, Hkv)
+    # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
+    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     prefix, _, _, _, _, _ = descend(cum_ptr, r, p, R, PROGS, K, LEVEL, LB, P_PAD)
     keys_row = keys_ptr + r.to(tl.int64) * N
     base = tl.arange(0, BLOCK)
@@ -224,9 +196,15 @@ def _hist_kernel(
 
 # ------------------------------------------------------------------------------ select pass
 @triton.jit
-def _take_block(key, cand, live, out_row, sok, thr, skip, a_run, t_run):
+def _take_block(keys_row, pos_row, offs, lo_c, hi_c, spn, out_row, sok, thr, skip, a_run, t_run, HAS_POS: tl.constexpr):
     """Write the taken candidates of one block at their ranks; returns the updated running counts.
-    (`out_row` is the output pointer: written here, which is what Inductor must see.)"""
+    (The positions of a pool are read here but feed only stored values, never an address.)"""
+    live = (offs >= lo_c) & (offs < hi_c)
+    key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
+    if HAS_POS:
+        cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1)
+    else:
+        cand = offs
     live = live & (key > 0)
     above = live & (key > thr)
     tie = live & (key == thr)
@@ -251,15 +229,11 @@ def _select_kernel(
     HAS_POS: tl.constexpr, HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     MASK_HEADS: tl.constexpr, USE_FOR: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    r = tl.program_id(1)
-    R = tl.num_programs(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
-    now = tl.load(tpos_ptr).to(tl.int64)
-    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
-    lo_c, hi_c = row_range(now, first, N, sink, local, HAS_POS)
-    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
+    p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    b, h = row_of(r, Hkv)
+    # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
+    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     # the threshold key, the counts above it and tied with it, and this chunk's share before it
     thr, need, above, a_run, ties, t_run = descend(cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
     thr = tl.where(need > 0, thr, 1 << 20)  # nothing to take: no key reaches it
@@ -272,24 +246,12 @@ def _select_kernel(
     base = tl.arange(0, BLOCK)
     if USE_FOR:
         for jb in tl.range(blk, end):
-            offs = jb * BLOCK + base
-            live = (offs >= lo_c) & (offs < hi_c)
-            key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
-            if HAS_POS:
-                cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1)
-            else:
-                cand = offs
-            a_run, t_run = _take_block(key, cand, live, out_row, sok, thr, skip, a_run, t_run)
+            a_run, t_run = _take_block(keys_row, pos_row, jb * BLOCK + base, lo_c, hi_c, spn, out_row, sok, thr, skip,
+                                       a_run, t_run, HAS_POS)
     else:
         while blk < end:
-            offs = blk * BLOCK + base
-            live = (offs >= lo_c) & (offs < hi_c)
-            key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
-            if HAS_POS:
-                cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1)
-            else:
-                cand = offs
-            a_run, t_run = _take_block(key, cand, live, out_row, sok, thr, skip, a_run, t_run)
+            a_run, t_run = _take_block(keys_row, pos_row, blk * BLOCK + base, lo_c, hi_c, spn, out_row, sok, thr, skip,
+                                       a_run, t_run, HAS_POS)
             blk += 1
 
     if p == 0:  # the window (reference order: sink, then now-local+1 .. now) and the padding
@@ -302,12 +264,8 @@ def _select_kernel(
             q = tl.where(in_sink, first + jw, now - local + 1 + (jw - sink))
             ok = (jw < WIN) & (q >= 0) & (q <= now) & (in_sink | (q >= first + sink))
             if HAS_MASK:
-                col = tl.minimum(tl.maximum(q, 0), L - 1)
-                seen = q < 0
-                for g in tl.static_range(MASK_HEADS):
-                    m = tl.load(mask_b + (h * MASK_HEADS + g) * smh + col * sml, mask=ok, other=0)
-                    seen = seen | ((m != 0) if MASK_BOOL else (m.to(tl.float32) > min_half))
-                ok = ok & seen
+                ok = mask_readable(mask_b, 0, h, tl.minimum(tl.maximum(q, 0), L - 1), ok, 0, smh, sml, min_half,
+                                   MASK_HEADS, MASK_BOOL)
             tl.store(row + jw * sok, tl.where(ok, q, -1).to(tl.int32), mask=jw < WIN)
             w0 += WIN_BLOCK
         p0 = tl.maximum(need, 0)

@@ -14,14 +14,8 @@ from triton.language.extra import libdevice
 
 from ..reference import WORD_BITS, hamming_dtype
 from .common import (
-    FLOAT_DTYPES,
-    STREAM_STAGES,
-    STREAM_WAVES,
-    chunk_of,
-    interpreting,
-    on_kernel_device,
-    pow2,
-    programs_per_row,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, eligible, interpreting, on_kernel_device, pow2,
+    programs_per_row, row_chunk, row_of,
 )
 
 
@@ -244,14 +238,7 @@ def _hash_keys_block(
 ):
     live = (offs >= lo_c) & (offs < hi_c)
     cand = offs.to(tl.int64)
-    elig = live & (cand >= first + sink) & (cand <= now - local)
-    if HAS_MASK:
-        col = tl.minimum(tl.maximum(cand, 0), L - 1)
-        ok = cand < 0
-        for g in tl.static_range(MASK_HEADS):
-            m = tl.load(mask_b + (h * MASK_HEADS + g) * smh + col * sml, mask=elig, other=0)
-            ok = ok | ((m != 0) if MASK_BOOL else (m.to(tl.float32) > min_half))
-        elig = elig & ok
+    elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     gi = tl.arange(0, G_PAD)
     wi = tl.arange(0, W_PAD)
     dist = tl.zeros(offs.shape, tl.int32)
@@ -284,14 +271,11 @@ def _hash_keys_kernel(
 ):
     """Key pass of hash_select: pack the query signs, score the chunk's keys by Hamming similarity
     summed over the KV head's query heads, key = similarity + 1 (0: not a candidate)."""
-    p = tl.program_id(0)
-    r = tl.program_id(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
-    now = tl.load(tpos_ptr).to(tl.int64)
-    first = tl.load(start_ptr + b).to(tl.int64) if HAS_START else tl.zeros([], tl.int64)
-    lo_c = first + sink
-    hi_c = tl.minimum(now - local + 1, N)
+    p, r = tl.program_id(0), tl.program_id(1)
+    b, h = row_of(r, Hkv)
+    # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
+    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, False)
     scored = (hi_c - lo_c) > K
     gi = tl.arange(0, G_PAD)
     wi = tl.arange(0, W_PAD)
@@ -302,7 +286,6 @@ def _hash_keys_kernel(
                     mask=(gi < G)[:, None], other=0.0)
         word = tl.sum((x > 0).to(tl.int32) << j[None, :], axis=1)  # distinct bits: the sum is the OR
         qall = tl.where(wi[:, None] == w, word[None, :], qall)
-    blk, end = chunk_of(p, lo_c, hi_c, PROGS, BLOCK)
     k_row = k_ptr + b * skb + h * skh
     mask_b = mask_ptr + b * smb
     keys_row = keys_ptr + r.to(tl.int64) * N

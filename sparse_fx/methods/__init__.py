@@ -65,13 +65,22 @@ class Method:
     name = ""
     description = ""
     explicit_roles = False  # whether a plan may give its layer roles (a calibrated plan)
+    uses_encoders = False  # whether it scores with signature encoders (a plan may name trained ones)
+    rewrites = True  # whether any layer can run sparse (the dense plan: none)
 
     # ---------------------------------------------------------------- plans
+    name_option: tuple[str, str] | None = None  # ("g", "group"): "prism-g4" sets group=4
+    name_forms = ""  # how the plan names read, for error messages (default: the bare name)
+
     def parse(self, text: str) -> dict | None:
         """Plan fields named by `text` (e.g. "prism-g4" -> {"group": 4}), or None if not this method's."""
-        return {} if text == self.name else None
-
-    name_forms = ""  # how the plan names read, for error messages (default: the bare name)
+        if self.name_option is None:
+            return {} if text == self.name else None
+        letter, option = self.name_option
+        m = re.fullmatch(rf"{self.name}(?:-{letter}(\d+))?", text)
+        if not m:
+            return None
+        return {option: int(m.group(1))} if m.group(1) else {}
 
     def plan_name(self, plan: Plan) -> str:
         return self.name
@@ -92,6 +101,10 @@ class Method:
     def describe(self, state: CompiledState) -> str:
         """The method as explain() shows it."""
         return state.plan.name
+
+    def notices(self, state: CompiledState) -> dict[str, str]:
+        """Warnings for the user, once per model, by key (e.g. untrained encoders)."""
+        return {}
 
     # ---------------------------------------------------------------- side caches
     def side_cache(self, role: str, kv: KVShape, plan: Plan) -> dict[str, Spec]:
@@ -119,6 +132,7 @@ class Method:
 class Dense(Method):
     name = "dense"
     description = "no rewrite: every layer keeps dense SDPA"
+    rewrites = False
 
     def roles(self, plan, num_layers, dense):
         return ["dense"] * num_layers

@@ -4,7 +4,6 @@ similarity summed over a KV head's query heads; the scan is fused into the selec
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 
@@ -18,13 +17,9 @@ WORD_BITS = 32
 class Hash(Method):
     name = "hash"
     name_forms = "hash, hash-b<bits> (e.g. hash-b128)"
+    name_option = ("b", "bits")
     description = "key/query bit signatures scored by Hamming similarity (HashAttention)"
-
-    def parse(self, text):
-        m = re.fullmatch(r"hash(?:-b(\d+))?", text)
-        if not m:
-            return None
-        return {"bits": int(m.group(1))} if m.group(1) else {}
+    uses_encoders = True
 
     def plan_name(self, plan):
         return "hash" + (f"-b{plan.bits}" if plan.bits != 32 else "") + ("-learned" if plan.encoders else "")
@@ -32,6 +27,13 @@ class Hash(Method):
     def describe(self, state):
         kind = "learned" if state.encoders.learned else "LSH, untrained"
         return f"{state.plan.name} ({kind} {state.plan.bits}-bit signatures)"
+
+    def notices(self, state):
+        if state.encoders.learned:
+            return {}
+        return {"lsh": "sparse_fx: hash is running untrained random signatures (LSH, about 90% of the oracle's "
+                       "next-token agreement); train encoders with sparse_fx.train_signatures(model, tokenizer=...) "
+                       "and pass them as compile(..., encoders=...)"}
 
     def side_cache(self, role, kv, plan):
         return {"signatures": Spec((plan.bits // WORD_BITS,), torch.int32)} if role == "sparse" else {}

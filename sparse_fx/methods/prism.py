@@ -9,7 +9,6 @@ per-layer flag on the device picks one, so trying a role assignment writes a ten
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 
@@ -22,18 +21,11 @@ LAYER_ROLES = ("dense", "proposal", "refined")
 
 
 class Prism(Method):
-    name = "prism"
-    name_forms = "prism-g<G> (e.g. prism-g4, prism-g9)"
     description = "INT2 proposal layers build a candidate pool that refined layers re-score (Prism)"
+    name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G> (e.g. prism-g4, prism-g9)"
     explicit_roles = True
     refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
     search = False  # calibration: both paths everywhere, a device flag per layer picks
-
-    def parse(self, text):
-        m = re.fullmatch(rf"{self.name}(?:-g(\d+))?", text)
-        if not m:
-            return None
-        return {"group": int(m.group(1))} if m.group(1) else {}
 
     def plan_name(self, plan):
         return f"{self.name}-g{plan.group}" + ("-calibrated" if plan.roles else "")
@@ -146,8 +138,7 @@ class Prism(Method):
 
 
 class Static(Prism):
-    name = "static"
-    name_forms = "static-g<G> (e.g. static-g4)"
+    name, name_forms = "static", "static-g<G> (e.g. static-g4)"
     description = "INT2 proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
     refine = False
 
