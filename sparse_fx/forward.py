@@ -81,7 +81,8 @@ class SparseForward:
 
     def _check_decode(self) -> None:
         report = self.state.reports[-1] if self.state.reports else None
-        if report is not None and report.decode and not any(r.action == "sparse" for r in report.rows):
+        if (report is not None and report.decode and self.state.method.rewrites
+                and not any(r.action == "sparse" for r in report.rows)):
             reasons = sorted({r.reason for r in report.rows}) or ["no attention found in the graph"]
             self._warn("dense", f"sparse_fx: no layer runs sparse in this decode step ({'; '.join(reasons)}); "
                        "see sparse_fx.explain(model)")

@@ -8,7 +8,7 @@ from transformers import StaticCache
 import sparse_fx
 from families import tiny_model
 from sparse_fx import Plan, methods
-from sparse_fx.methods import OPS, Method, Selection
+from sparse_fx.methods import Method, Selection
 from sparse_fx.runtime.caches import KVShape
 
 
