@@ -3,7 +3,6 @@ what became of its attention and why, printable as a table."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from .plan import Plan
@@ -75,12 +74,6 @@ class Report:
     @property
     def dense_layers(self) -> list[int]:
         return [r.layer for r in self.rows if r.action != "sparse"]
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["plan"] = self.plan.to_dict()
-        d["rows"] = [dataclasses.asdict(r) for r in self.rows]
-        return d
 
     def __str__(self) -> str:
         cells = [[title for _, title in COLUMNS]]

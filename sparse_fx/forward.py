@@ -92,7 +92,7 @@ class SparseForward:
     def _warn(self, key: str, message: str) -> None:
         if key not in self.state.warned:
             self.state.warned.add(key)
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=4)  # at the caller of the model
 
 
 def follow(cache, state: CompiledState) -> None:
