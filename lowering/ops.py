@@ -82,7 +82,8 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 @triton_op("sparse_fx::hamming_scores", mutates_args=())
 def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
-    """q_sig [B,Hq,W], k_sig [B,Hkv,L,W] -> [B,Hkv,L] int32: 32W - Hamming, summed over each KV head's query heads."""
+    """q_sig [B,Hq,W], k_sig [B,Hkv,L,W] -> [B,Hkv,L]: 32W - Hamming, summed over each KV head's query
+    heads, in the narrowest integer type that holds the sum (reference.hamming_dtype)."""
     _check(q_sig.dim() == 3 and k_sig.dim() == 4, "hamming_scores: q_sig must be [B, Hq, W] and k_sig [B, Hkv, L, W]")
     _check(q_sig.shape[1] % k_sig.shape[1] == 0 and q_sig.shape[2] == k_sig.shape[3], "hamming_scores: head counts or words disagree")
     if k_sig.is_cuda and _kernels().hamming_scores_supported(q_sig, k_sig):

@@ -234,8 +234,8 @@ def mass_scores(
         kc = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, D))
         readable = (positions >= 0) & torch.gather(valid_positions(mask, B, Hkv, L, q.device), 2, idx)
     logits = torch.matmul(q.reshape(B, Hkv, G, D).float(), kc.float().transpose(-1, -2)) * scale
-    if mask is not None and mask.dtype != torch.bool:
-        m = mask.float()[:, :, 0, :].expand(B, Hq, L).reshape(B, Hkv, G, L)
+    if mask is not None:  # per head: a bool mask with heads may hide a slot from some heads of a group
+        m = _additive(mask, torch.float32)[:, :, 0, :].expand(B, Hq, L).reshape(B, Hkv, G, L)
         if positions is not None:
             m = torch.gather(m, 3, idx[:, :, None, :].expand(-1, -1, G, -1))
         logits = logits + m
@@ -255,12 +255,10 @@ def kept(keys: torch.Tensor, query: torch.Tensor, sink: int, local: int, start: 
     return ((keys >= start) & (keys < start + sink)) | ((keys > query - local) & (keys <= query))
 
 
-def first_readable(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
-    """[B] int32: each batch row's first position that some head may read (0 without a mask).
+def first_readable(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """[B] int32: each batch row's first position that some head may read.
 
     A left-padded row starts after its padding: that is where its sink lies."""
-    if mask is None:
-        return torch.zeros(batch, dtype=torch.int32)
     ok = valid_positions(mask, batch, 1, length, mask.device)[:, 0]  # [B, L]
     first = torch.where(ok, torch.arange(length, device=mask.device), length).amin(-1)
     return torch.where(first < length, first, 0).to(torch.int32)  # (a min, not an argmax of bools: compilers lower it everywhere)

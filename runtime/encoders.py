@@ -67,11 +67,19 @@ def lsh_layer(q_heads: int, kv_heads: int, head_dim: int, bits: int, seed: int) 
 FORMAT = "sparse_fx.signatures/1"
 
 
+def same_weights(trained, model, rtol: float = 1e-2) -> bool:
+    """Whether two weight samples (lists of floats) come from the same weights, allowing for a
+    change of dtype (bfloat16 keeps 3 significant digits)."""
+    if not isinstance(trained, list) or not isinstance(model, list) or len(trained) != len(model):
+        return False
+    return all(abs(a - b) <= rtol * max(abs(a), abs(b)) + 1e-6 for a, b in zip(trained, model))
+
+
 @dataclass
 class SignatureEncoders:
     """Trained HashAttention encoders for one model: per layer, query encoders over the query
     heads and key encoders over the KV heads; `fingerprint` names the model they were trained on
-    (its shapes and a digest of its weights, `sparse_fx.model_info.ModelInfo.fingerprint`)."""
+    (its shapes and a sample of its weights, `sparse_fx.model_info.ModelInfo.fingerprint`)."""
 
     layers: list[LayerEncoders]
     bits: int
@@ -83,9 +91,11 @@ class SignatureEncoders:
 
     def check(self, fingerprint: dict) -> None:
         """Raise unless these encoders were trained for a model with this fingerprint."""
-        diff = {k: (self.fingerprint.get(k), v) for k, v in fingerprint.items() if self.fingerprint.get(k) != v}
+        diff = {k: (self.fingerprint.get(k), v) for k, v in fingerprint.items()
+                if (not same_weights(self.fingerprint.get(k), v) if k == "weights" else self.fingerprint.get(k) != v)}
         if diff:
-            lines = ", ".join(f"{k}: trained {a!r}, model {b!r}" for k, (a, b) in diff.items())
+            lines = ", ".join("weights: sampled values differ" if k == "weights" else f"{k}: trained {a!r}, model {b!r}"
+                              for k, (a, b) in diff.items())
             raise ValueError(f"sparse_fx: these signature encoders were trained for another model ({lines}); "
                              "train encoders for this one with sparse_fx.train_signatures(model, ...)")
 

@@ -12,7 +12,7 @@ from .compiled import CompiledState
 from .explain import GraphReport, Report, Row
 from .forward import SparseForward, bucket_static_caches
 from .measure import Measurements
-from .model_info import ModelInfo, use_sdpa
+from .model_info import ModelInfo, attention_implementation, set_attention, use_sdpa
 from .plan import Plan
 from .runtime.encoders import Encoders, SignatureEncoders
 
@@ -60,27 +60,33 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         raise ValueError(f"sparse_fx: expected a torch.nn.Module, got {type(model).__name__}")
     if model.training:
         raise ValueError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval() first")
-    if encoders is not None and "bits" not in plan_options and hasattr(encoders, "bits"):
-        plan_options["bits"] = encoders.bits
-    plan = Plan.parse(plan, **plan_options)
+    spec, plan = plan, Plan.parse(plan, **plan_options)
     method = methods.get(plan.method)
     if _search:
         method = method.for_search()
     if encoders is not None and not method.uses_encoders:
         raise ValueError(f"sparse_fx: encoders only apply to the hash plan (signatures), not {plan.name!r}")
+    if encoders is not None and not isinstance(encoders, SignatureEncoders):
+        encoders = SignatureEncoders.load(encoders)
+    if encoders is not None and "bits" not in plan_options and encoders.bits != plan.bits:
+        plan = Plan.parse(spec, **plan_options, bits=encoders.bits)  # the encoders' signature width
     encoders = encoders if encoders is not None else plan.encoders
     info = ModelInfo.of(model)
     method.check(info, plan)
     trained = _load_encoders(encoders, model, info, plan) if encoders is not None else None
+    previous = model.__dict__.get("forward")
+    before = previous.before if isinstance(previous, SparseForward) else {
+        "forward": previous, "_prepare_static_cache": model.__dict__.get("_prepare_static_cache"),
+        "disable_compile": getattr(getattr(model, "generation_config", None), "disable_compile", None),
+        "attention": attention_implementation(model)}
     switched = use_sdpa(model)
     note = f"attention: switched from attn_implementation={switched!r} to 'sdpa' (the call the pass rewrites)" if switched else ""
     state = CompiledState(plan=plan, info=info, method=method, encoders=Encoders(plan.bits, plan.seed, trained),
                           backend=backend, mode=mode, strict=strict,
                           measurements=Measurements() if measure else None, attention_note=note)
-    previous = model.__dict__.get("forward")
     original = previous.original if isinstance(previous, SparseForward) else model.forward
     compiled = torch.compile(_own_frame(original), backend=sparse_backend(state), fullgraph=True, dynamic=False)
-    model.forward = SparseForward(model, original, compiled, state)
+    model.forward = SparseForward(model, original, compiled, state, before)
     if getattr(model, "generation_config", None) is not None:
         # We are the one compile: Hugging Face's generate() must not wrap this forward again.
         model.generation_config.disable_compile = True
@@ -128,6 +134,24 @@ def attach_cache(model: torch.nn.Module, cache) -> None:
     StaticCache), exactly as a prefill through the compiled model would have.
     """
     sparse_state(model).fill(cache)
+
+
+def restore(model: torch.nn.Module) -> None:
+    """Undo sparse_fx.compile: the model's forward, generate() settings and attention
+    implementation as they were before (calibrate leaves the model as it found it)."""
+    forward = model.__dict__.get("forward")
+    if not isinstance(forward, SparseForward):
+        return
+    before = forward.before
+    for name in ("forward", "_prepare_static_cache"):
+        if before[name] is None:
+            model.__dict__.pop(name, None)
+        else:
+            setattr(model, name, before[name])
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.disable_compile = before["disable_compile"]
+    if before["attention"] not in (None, attention_implementation(model)):
+        set_attention(model, before["attention"])
 
 
 def sparse_state(model: torch.nn.Module) -> CompiledState:

@@ -45,7 +45,7 @@ def calibrate(
     """
     from transformers import StaticCache
 
-    from .api import SparseForward, attach_cache, compile, sparse_state
+    from .api import SparseForward, attach_cache, compile, restore, sparse_state
 
     handler = methods.get(method)
     if not handler.explicit_roles:
@@ -56,8 +56,7 @@ def calibrate(
     prefill = T - steps
     if prefill < 1:
         raise ValueError(f"sparse_fx: windows of {T} tokens leave nothing to prefill before {steps} decode steps")
-    previous = model.__dict__.get("forward")
-    if isinstance(previous, SparseForward):
+    if isinstance(model.__dict__.get("forward"), SparseForward):
         raise ValueError("sparse_fx: calibrate a plain model, not one already compiled by sparse_fx")
     device = next(model.parameters()).device
     ids = ids.to(device)
@@ -75,7 +74,7 @@ def calibrate(
         n_proposals = math.ceil(len(sparse) / group)
 
         def ce(roles: list[str]) -> float:
-            state.set_roles(roles)
+            state.method.set_roles(roles)
             for layer in cache.layers:
                 layer.cumulative_length.fill_(prefill)
             total = 0.0
@@ -107,10 +106,7 @@ def calibrate(
         bar.close()
         history["calibrated"] = ce(roles)
     finally:
-        if previous is None:
-            model.__dict__.pop("forward", None)
-        else:
-            model.forward = previous
+        restore(model)
     note = (f"calibrated on {N} windows x {T} tokens ({steps} decode steps each): decode cross-entropy "
             f"{history['calibrated']:.4f} vs uniform {history['uniform']:.4f}")
     return dataclasses.replace(base, roles=tuple(roles), note=note)

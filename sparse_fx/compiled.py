@@ -55,7 +55,6 @@ class CompiledState:
             raise ValueError(f"sparse_fx: dense_layers holds layers {bad} but the model has {self.info.num_layers} "
                              f"layers (valid: 0..{self.info.num_layers - 1})")
         self.roles = self.method.roles(self.plan, self.info.num_layers, dense)
-        self._flags: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ layers
     def role(self, layer: int) -> str:
@@ -93,53 +92,37 @@ class CompiledState:
                                    "sparse_fx.explain(model) and report this model form")
         self.reports.append(report)
 
-    # ------------------------------------------------------------------ calibration's search mode
-    def role_flags(self, device: torch.device) -> torch.Tensor:
-        """[layers] bool on `device`: which search layers propose (True) or refine (False)."""
-        if self._flags is None:
-            self._flags = torch.tensor([r in ("proposal", "search") for r in self.roles])
-        if self._flags.device != device:  # only before the first compile: graphs hold the tensor
-            self._flags = self._flags.to(device)
-        return self._flags
-
-    def set_roles(self, roles: list[str]) -> None:
-        """Search mode: make `roles` (proposal / refined / dense per layer) take effect in place."""
-        flags = torch.tensor([r == "proposal" for r in roles])
-        if self._flags is None:
-            self._flags = flags
-        else:
-            self._flags.copy_(flags)
-
     # ------------------------------------------------------------------ side caches, eagerly
     def fill(self, cache, lo: int | None = None, hi: int | None = None) -> None:
         """Write the side caches of every sparse layer for the positions [lo, hi) of a static cache
         (default: all it holds), exactly as decode steps would have, and take ownership of them.
         A cache whose side caches describe another cache is refilled from position 0."""
-        layers = static_layers(cache)
-        if layers is None:
-            return
+        described = list(self._described(cache))
         emit = EagerEmitter()
         with torch.no_grad():
-            for i, role in enumerate(self.roles[: len(layers)]):
-                layer = layers[i]
-                if role == "dense" or getattr(layer, "is_sliding", False) or not getattr(layer, "is_initialized", False):
-                    continue
-                kv = KVShape.of(layer.keys)
-                specs = self.method.side_cache(role, kv, self.plan)
-                if not specs:
-                    continue
+            for i, layer, kv, specs in described:
                 start = 0 if lo is None or not self.side_caches.owned_by(kv, cache) else lo
                 stop = filled(layer) if hi is None else hi
                 if stop > start:
                     side = self.side_caches.layer(i, kv, specs)
                     pos = torch.arange(start, stop, device=kv.device)
                     self.method.write(emit, self, i, kv, side, layer.keys[:, :, start:stop], pos)
-            for kv in {KVShape.of(layer.keys) for layer in layers if getattr(layer, "is_initialized", False)}:
+            for kv in {kv for _, _, kv, _ in described}:
                 self.side_caches.own(kv, cache)
 
     def owns(self, cache) -> bool:
-        """Whether the side caches describe `cache` (checked on its first full-attention layer: the
-        layers of one cache share a shape)."""
-        layer = next((x for x in static_layers(cache) or () if getattr(x, "is_initialized", False)
-                      and not getattr(x, "is_sliding", False)), None)
-        return layer is None or self.side_caches.owned_by(KVShape.of(layer.keys), cache)
+        """Whether the side caches describe `cache` (True when it has none to describe). Checked on
+        the first layer with a side cache: `fill` owns those of all its layers at once."""
+        first = next(self._described(cache), None)
+        return first is None or self.side_caches.owned_by(first[2], cache)
+
+    def _described(self, cache):
+        """(layer index, cache layer, its KVShape, side-cache specs) of each initialised layer of a
+        static cache that the plan keeps a side cache for."""
+        for i, (role, layer) in enumerate(zip(self.roles, static_layers(cache) or ())):
+            if role == "dense" or getattr(layer, "is_sliding", False) or not getattr(layer, "is_initialized", False):
+                continue
+            kv = KVShape.of(layer.keys)
+            specs = self.method.side_cache(role, kv, self.plan)
+            if specs:
+                yield i, layer, kv, specs

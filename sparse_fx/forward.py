@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 import warnings
 import weakref
 
@@ -27,9 +29,10 @@ FOLLOWED = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave", 
 class SparseForward:
     """Every call of the compiled model comes through here."""
 
-    def __init__(self, model: torch.nn.Module, original, compiled, state: CompiledState):
+    def __init__(self, model: torch.nn.Module, original, compiled, state: CompiledState, before: dict):
         functools.update_wrapper(self, original)  # generate() inspects forward's signature
         self.model, self.original, self.compiled, self.state = model, original, compiled, state
+        self.before = before  # what sparse_fx.compile changed on the model, as it was (api.restore)
         from transformers import PreTrainedModel
 
         self.hugging_face = isinstance(model, PreTrainedModel)
@@ -72,7 +75,7 @@ class SparseForward:
             with config.patch(**{limit: MAX_DECODE_GRAPHS}):
                 return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
-            shapes = sorted({(r.shape.batch, r.shape.max_len) for r in self.state.reports if r.shape is not None})
+            shapes = sorted({(r.shape.batch, r.shape.max_len) for r in self.state.reports if r.decode and r.shape is not None})
             raise RuntimeError(
                 f"sparse_fx: {len(shapes)} decode graphs compiled for (batch, cache length) {shapes}, the most one model "
                 f"keeps ({MAX_DECODE_GRAPHS}); allocate one StaticCache as long as the longest request needs "
@@ -92,40 +95,67 @@ class SparseForward:
     def _warn(self, key: str, message: str) -> None:
         if key not in self.state.warned:
             self.state.warned.add(key)
-            warnings.warn(message, stacklevel=4)  # at the caller of the model
+            warnings.warn(message, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel that names the user's line: the first frame above the caller
+    outside sparse_fx, torch and transformers (model(...) or generate(...), however deep)."""
+    import transformers
+
+    from . import lowering, runtime
+
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, transformers, lowering, runtime)) + (
+        os.path.dirname(__file__) + os.sep,)
+    frame, level = sys._getframe(2), 2  # level 1 is our caller, the warnings.warn call site
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def follow(cache, state: CompiledState) -> None:
     """Make `cache`'s own mutators keep `state`'s side caches honest (once per cache and state):
-    a beam reordering is applied to them, other changes of rows or length disown them."""
+    a beam reordering is applied to them, other changes of rows or length disown them.
+
+    The cache becomes an instance of a subclass of its class whose mutators also tell the
+    followers (weak references, in the instance's dict): no reference cycle keeps a dropped
+    cache's gigabytes alive, and a deep copy or a pickle is a cache of its own."""
     followers = cache.__dict__.setdefault("_sparse_fx_followers", [])
     if any(ref() is state for ref in followers):
         return
-    if not followers:
-        for name in FOLLOWED:
-            if hasattr(type(cache), name):
-                setattr(cache, name, _followed(cache, name))
+    if not getattr(type(cache), "_sparse_fx_followed", False):
+        cache.__class__ = _followed_class(type(cache))
     followers.append(weakref.ref(state))
 
 
-def _followed(cache, name: str):
-    """The class's method `name`, then the followers' update. Holds the cache weakly: a strong
-    reference from the cache's own attribute would be a cycle that keeps a freed cache's tensors
-    (gigabytes at long contexts) until the garbage collector happens to run."""
-    ref, original = weakref.ref(cache), getattr(type(cache), name)
+def _followed_class(cls: type) -> type:
+    name = f"Followed{cls.__name__}"
+    sub = globals().get(name)
+    if sub is None or sub.__bases__ != (cls,):
+        methods = {m: _notifying(getattr(cls, m), m) for m in FOLLOWED if hasattr(cls, m)}
+        sub = type(name, (cls,), {**methods, "__getstate__": _without_followers, "_sparse_fx_followed": True,
+                                  "__module__": __name__, "__qualname__": name})
+        globals()[name] = sub  # importable by name: a followed cache pickles
+    return sub
 
-    @functools.wraps(original)
-    def method(*args, **kwargs):
-        c = ref()
-        out = original(c, *args, **kwargs)
-        for follower in c.__dict__.get("_sparse_fx_followers", []):
+
+def _without_followers(self) -> dict:
+    """Copies and pickles carry the cache, not who follows it (a model follows a cache it is given)."""
+    return {k: v for k, v in self.__dict__.items() if k != "_sparse_fx_followers"}
+
+
+def _notifying(base, name: str):
+    @functools.wraps(base)
+    def method(self, *args, **kwargs):
+        out = base(self, *args, **kwargs)
+        for follower in self.__dict__.get("_sparse_fx_followers", []):
             state = follower()
             if state is None:
                 continue
             if name == "reorder_cache":
-                state.side_caches.reorder(c, args[0] if args else kwargs["beam_idx"])
+                state.side_caches.reorder(self, args[0] if args else kwargs["beam_idx"])
             else:
-                state.side_caches.disown(c)
+                state.side_caches.disown(self)
         return out
 
     return method
@@ -146,7 +176,8 @@ def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:
     param = next(model.parameters(), None)
     if param is None or not param.is_cuda or info.mla:
         return  # (MLA: keys and values differ in size; Hugging Face does not initialise these early either)
-    cache.early_initialization(ids.shape[0], info.kv_heads, info.head_dim, param.dtype, param.device)
+    dtype = getattr(model, "dtype", param.dtype)  # what generate() initialises with (a first parameter may be fp32)
+    cache.early_initialization(ids.shape[0], info.kv_heads, info.head_dim, dtype, param.device)
 
 
 def cache_bucket(n: int) -> int:

@@ -1,14 +1,13 @@
 """What sparse_fx knows of a Hugging Face decoder, read from its config: the one module that does.
 
 `ModelInfo.of(model)` gives the shapes plans and caches need; `fingerprint` names a model for
-trained signature encoders (shapes and a digest of the weights, so that encoders trained on one
+trained signature encoders (shapes and a sample of the weights, so that encoders trained on one
 model are refused by another of the same shape); `use_sdpa` puts the model on SDPA attention,
 the call the pass rewrites.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -55,29 +54,29 @@ class ModelInfo:
                    getattr(text, "qk_head_dim", None) is not None)
 
     def fingerprint(self, model: torch.nn.Module) -> dict:
-        """Shapes and a digest of the weights: what trained encoders must match."""
+        """Shapes and a sample of the weights: what trained encoders must match."""
         return {
             "model_type": self.model_type,
             "num_layers": self.num_layers,
             "q_heads": self.q_heads,
             "kv_heads": self.kv_heads,
             "head_dim": self.head_dim,
-            "weights": weights_digest(model),
+            "weights": weights_sample(model),
         }
 
 
-def weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
-    """A digest of the weights that survives a change of dtype or device: per parameter (by name)
-    its shape and the mean and spread of an evenly strided sample, to four significant digits."""
-    h = hashlib.sha256()
+def weights_sample(model: torch.nn.Module, per_param: int = 4) -> list[float]:
+    """A few evenly spaced values of every parameter (in name order), to 6 significant digits:
+    compared within a tolerance (`runtime.encoders.same_weights`), it tells the trained model from
+    another of the same shapes and survives a change of dtype or device."""
+    out = []
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda np: np[0]):
+        for _, p in sorted(model.named_parameters(), key=lambda np: np[0]):
             flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // sample)
-            x = flat[::step][:sample].float()
-            spread = float(x.std()) if x.numel() > 1 else 0.0
-            h.update(f"{name}:{tuple(p.shape)}:{float(x.mean()):.4g}:{spread:.4g};".encode())
-    return h.hexdigest()[:16]
+            n = min(per_param, flat.numel())
+            idx = torch.tensor([j * (flat.numel() - 1) // max(n - 1, 1) for j in range(n)], device=flat.device)
+            out += [float(f"{v:.6g}") for v in flat[idx].float().tolist()]
+    return out
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
@@ -94,8 +93,12 @@ def use_sdpa(model: torch.nn.Module) -> str | None:
         raise ValueError(f"sparse_fx: this model uses attn_implementation={current!r} and does not support 'sdpa', "
                          "the attention call sparse_fx rewrites; load a model class that supports "
                          "attn_implementation='sdpa'")
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(SDPA)
-    else:
-        model.config._attn_implementation = SDPA
+    set_attention(model, SDPA)
     return current
+
+
+def set_attention(model: torch.nn.Module, implementation: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(implementation)
+    else:
+        model.config._attn_implementation = implementation

@@ -33,14 +33,15 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def rewrite(gm: fx.GraphModule, state: CompiledState) -> GraphReport:
     """Rewrite the decode graph `gm` in place for `state.plan`; return what was done to each attention."""
     sites = find_sites(gm)
-    decode = bool(sites) and all(s.q_len == 1 for s in sites)
+    decode = all(s.q_len == 1 for s in sites)  # no attention found: a decode graph that keeps none
     edit = _Edit(gm, state)
     rows = [edit.site(site) if decode else edit.prefill_site(site) for site in sites]
     if rows:
         remove_dead(gm.graph, edit.dead)
         gm.graph.lint()
         gm.recompile()
-    shape = next((KVShape.of(meta(s.k_base)) for s in sites if meta(s.k_base) is not None and meta(s.k_base).dim() == 4), None)
+    shapes = [KVShape.of(meta(s.k_base)) for s in sites if meta(s.k_base) is not None and meta(s.k_base).dim() == 4]
+    shape = max(shapes, key=lambda kv: kv.max_len, default=None)  # the full-attention cache, not a sliding window
     return GraphReport(rows=rows, shape=shape, decode=decode)
 
 
@@ -65,9 +66,9 @@ class _Edit:
         problem = self.method.site_problem(role, kv, self.plan)
         if problem:
             return row.dense(problem)
-        side = self._write_side_cache(site, role, kv, row)
         if site.layer in state.unfilled:
             return row.dense("a compiled prefill graph does not write this layer's side cache")
+        side = self._write_side_cache(site, role, kv, row)
         a = site.args
         self.emit.at(site.node)
         view = MethodSite(layer=site.layer, role=role, q=site.q, k=site.k_base, v=site.v_base, mask=site.mask,
@@ -122,9 +123,11 @@ class _Edit:
         row.side_cache_bytes = state.side_caches.nbytes(site.layer)
         return side
 
-    def _start(self, mask: fx.Node, kv: KVShape) -> fx.Node:
+    def _start(self, mask: fx.Node | None, kv: KVShape) -> fx.Node | None:
         """Each batch row's first readable position, computed once per mask: a left-padded row's
-        sink starts there."""
+        sink starts there (None without a mask: every row starts at 0)."""
+        if mask is None:
+            return None
         if mask not in self.starts:  # emitted before this attention, so every later one sees it
             self.starts[mask] = self.emit.call(first_readable, mask, kv.batch, kv.max_len)
         return self.starts[mask]

@@ -26,7 +26,7 @@ def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, meth
     roles = ("proposal", "refined", "proposal", "refined", "refined", "proposal")
     fixed = sparse_fx.compile(copy.deepcopy(model), f"{method}-g3", backend="eager", roles=roles, **OPTIONS)
     search = sparse_fx.compile(copy.deepcopy(model), f"{method}-g3", backend="eager", _search=True, **OPTIONS)
-    sparse_state(search).set_roles(list(roles))
+    sparse_state(search).method.set_roles(list(roles))
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     ca, cb = StaticCache(config=model.config, max_cache_len=48), StaticCache(config=model.config, max_cache_len=48)
     with torch.no_grad():
@@ -40,11 +40,15 @@ def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, meth
 @pytest.mark.parametrize("group", [2, 4])
 def test_calibration_returns_a_valid_role_assignment(model, group, tmp_path):
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
-    plan = sparse_fx.calibrate(model, ids, group=group, steps=6, progress=False, **OPTIONS)
+    plain = copy.deepcopy(model)
+    plain.set_attn_implementation("eager")
+    settings = plain.generation_config.disable_compile
+    plan = sparse_fx.calibrate(plain, ids, group=group, steps=6, progress=False, **OPTIONS)
+    assert not {"forward", "_prepare_static_cache"} & set(plain.__dict__), "calibrate must leave the model as it was"
+    assert plain.config._attn_implementation == "eager" and plain.generation_config.disable_compile == settings
     assert len(plan.roles) == 6 and plan.roles[0] == "proposal"
     assert plan.roles.count("proposal") == math.ceil(6 / group) and set(plan.roles) <= {"proposal", "refined"}
     assert "calibrated on 2 windows" in plan.note and plan.name == f"prism-g{group}-calibrated"
-    assert model.__dict__.get("forward") is None, "calibrate must leave the model as it was"
     plan.save(tmp_path / "p.json")
     assert sparse_fx.Plan.load(tmp_path / "p.json") == plan
     compiled = sparse_fx.compile(copy.deepcopy(model), str(tmp_path / "p.json"), backend="eager")

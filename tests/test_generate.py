@@ -110,6 +110,7 @@ def test_strict_raises_when_a_layer_stays_dense_and_a_dynamic_cache_warns_once()
             model.generate(ids, max_new_tokens=3, do_sample=False)
     messages = [str(w.message) for w in caught if "sparse_fx" in str(w.message)]
     assert len([m for m in messages if "no static KV cache" in m]) == 1, messages
+    assert {w.filename for w in caught if "sparse_fx" in str(w.message)} == {__file__}  # the user's line
 
 
 def test_untrained_hash_says_so_once_and_in_explain():
@@ -119,16 +120,17 @@ def test_untrained_hash_says_so_once_and_in_explain():
         warnings.simplefilter("always")
         generate(model, ids, 3)
         generate(model, ids, 3)
-    assert len([w for w in caught if "untrained random signatures" in str(w.message)]) == 1
+    notice = [w for w in caught if "untrained random signatures" in str(w.message)]
+    assert len(notice) == 1 and notice[0].filename == __file__  # through generate(): still the caller's line
     assert "LSH, untrained" in str(sparse_fx.explain(model))
 
 
-def _encoders(model, tmp_path, seed=0):
+def _encoders(model, tmp_path, seed=0, bits=32):
     from sparse_fx.train import TrainConfig
 
     ids = torch.randint(1, 128, (2, 320), generator=torch.Generator().manual_seed(seed))
-    enc = sparse_fx.train_signatures(model, ids, steps=2, queries=16, batch_queries=8, batch_keys=32, context=320,
-                                     progress=False, sink=TrainConfig.sink // 8, local=TrainConfig.local // 8)
+    enc = sparse_fx.train_signatures(model, ids, bits=bits, steps=2, queries=16, batch_queries=8, batch_keys=32,
+                                     context=320, progress=False, sink=TrainConfig.sink // 8, local=TrainConfig.local // 8)
     enc.save(tmp_path)
     return enc
 
@@ -137,11 +139,20 @@ def test_encoders_of_another_model_with_the_same_shapes_are_refused(tmp_path):
     model = tiny_model("llama", layers=2)
     _encoders(model, tmp_path)
     sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")  # same weights
+    sparse_fx.compile(tiny_model("llama", layers=2).to(torch.bfloat16), "hash", encoders=tmp_path, backend="eager")
     other = tiny_model("llama", layers=2, seed=1)
     with pytest.raises(ValueError, match="trained for another model.*weights"):
         sparse_fx.compile(other, "hash", encoders=tmp_path, backend="eager")
     learned = sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")
     assert "learned 32-bit signatures" in str(sparse_fx.explain(learned))
+
+
+def test_an_encoder_directory_sets_the_signature_width(tmp_path):
+    _encoders(tiny_model("llama", layers=2), tmp_path, bits=64)
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")
+    assert sparse_state(model).plan.bits == 64
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(7))
+    assert generate(model, ids, 3).shape == (1, 15)
 
 
 def test_bad_encoder_files_name_the_file(tmp_path):
@@ -164,12 +175,19 @@ def test_dense_layers_beyond_the_model_are_refused():
         sparse_fx.compile(tiny_model("llama", layers=2), "hash", dense_layers=[7], backend="eager")
 
 
-def test_a_static_cache_passed_by_the_caller_follows_reorder_cache():
+def _prefilled(batch: int, seed: int):
+    """A small hash model, 20 prompt tokens per row and the StaticCache they filled."""
     model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **SMALL)
-    ids = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, 128, (batch, 20), generator=torch.Generator().manual_seed(seed))
     cache = StaticCache(config=model.config, max_cache_len=32)
     with torch.no_grad():
         model(ids, past_key_values=cache)
+    return model, ids, cache
+
+
+def test_a_static_cache_passed_by_the_caller_follows_reorder_cache():
+    model, ids, cache = _prefilled(3, 7)
+    with torch.no_grad():
         model(ids[:, -1:], past_key_values=cache)
         cache.reorder_cache(torch.tensor([2, 0, 0]))
     assert_side_caches_match_the_keys(model, cache, 21)
@@ -181,10 +199,7 @@ def test_a_dropped_cache_frees_its_memory_without_the_garbage_collector():
     import gc
     import weakref
 
-    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **SMALL)
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    with torch.no_grad():
-        model(torch.randint(1, 128, (1, 10)), past_key_values=cache)
+    _, _, cache = _prefilled(1, 9)
     keys = weakref.ref(cache.layers[0].keys)
     gc.disable()
     try:
@@ -192,3 +207,20 @@ def test_a_dropped_cache_frees_its_memory_without_the_garbage_collector():
         assert keys() is None
     finally:
         gc.enable()
+
+
+def test_a_followed_cache_deep_copies_and_pickles_as_itself():
+    """Hugging Face reuses a prompt's cache by deep copy: the copy's mutators act on the copy."""
+    import copy
+    import pickle
+
+    model, ids, cache = _prefilled(2, 8)
+    clone = copy.deepcopy(cache)
+    before = cache.layers[0].keys.clone()
+    clone.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[0].keys, before) and torch.equal(clone.layers[0].keys, before[[1, 0]])
+    with torch.no_grad():
+        model(ids[:, -1:], past_key_values=clone)  # decoding on the copy refills from it
+    assert_side_caches_match_the_keys(model, clone, 21)
+    back = pickle.loads(pickle.dumps(cache))
+    assert torch.equal(back.layers[0].keys, before)

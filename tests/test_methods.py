@@ -23,9 +23,12 @@ def test_layer_roles_of_each_method():
     assert roles("hash", 3, dense=(0, 2)) == ["dense", "sparse", "dense"]
     assert roles("prism-g1", 3) == ["proposal"] * 3  # per-layer INT2 selection, no sharing
     assert roles("prism-g4", 6) == ["proposal", "refined", "refined", "refined", "proposal", "refined"]
-    # a dense proposal layer orphans its refined layers: the first of them proposes instead
-    assert roles("static-g3", 4, dense=[0]) == ["dense", "proposal", "refined", "proposal"]
+    assert roles("static-g3", 5, dense=[0]) == ["dense", "proposal", "refined", "refined", "proposal"]  # groups of sparse layers
     calibrated = ("proposal", "refined", "dense", "proposal")
+    # a dense proposal layer orphans its refined layers: the first of them proposes instead
+    assert roles("prism-g2", 4, dense=[0], roles=calibrated) == ["dense", "proposal", "dense", "proposal"]
+    assert roles("prism-g2", 4, dense=[3], roles=("proposal", "refined", "refined", "refined")) == [
+        "proposal", "refined", "refined", "dense"]
     assert roles("prism-g2", 4, roles=calibrated) == list(calibrated)
     with pytest.raises(ValueError, match="roles for 4 layers but the model has 30"):
         roles("prism-g2", 30, roles=calibrated)

@@ -47,12 +47,14 @@ def test_mass_scores_nothing_readable_is_zero():
     assert torch.equal(K.mass_scores(q, k, None, mask).cpu(), torch.zeros(1, 2, 64))
 
 
-def test_mass_scores_equal_a_float64_softmax():
-    """Independently of the reference: per query head softmax over the readable keys, summed per KV head."""
+@pytest.mark.parametrize("mask_kind", ["bool", "bool-head"])
+def test_mass_scores_equal_a_float64_softmax(mask_kind):
+    """Independently of the reference: per query head softmax over the keys that head may read,
+    summed per KV head (a per-head bool mask hides a slot from some heads of a group only)."""
     g = gen(11)
     B, Hkv, G, L, D = 1, 2, 3, 90, 16
     q, k = randn(B, Hkv * G, 1, D, g=g), randn(B, Hkv, L, D, g=g)
-    mask = make_mask("bool", B, 1, L, g)
+    mask = make_mask(mask_kind, B, Hkv * G, L, g)
     got = K.mass_scores(q, k, None, mask).cpu().double()
     logits = (q.cpu().double() @ k.cpu().double().repeat_interleave(G, 1).transpose(-1, -2))[:, :, 0] * D**-0.5
     logits = logits.masked_fill(~mask.cpu()[:, :, 0], float("-inf"))

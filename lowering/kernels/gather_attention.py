@@ -72,7 +72,7 @@ def _sparse_attn_kernel(
     DV: tl.constexpr,
     BLOCK_N: tl.constexpr,  # selected rows gathered per step
     HAS_MASK: tl.constexpr,  # no mask: no mask loads compiled in
-    MASK_BOOL: tl.constexpr,  # bool mask (uint8 view): False -> -inf; else additive float
+    MASK_BOOL: tl.constexpr,  # bool mask: False -> -inf; else additive float
     MASK_HEADS: tl.constexpr,  # mask heads per KV head: G (per-head mask) or 1 (broadcast, stride 0)
     SPLIT: tl.constexpr,  # several programs per row: write partials for the combine kernel
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact (tf32 would cost ~1e-3)

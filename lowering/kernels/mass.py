@@ -45,6 +45,9 @@ def _mass_tile(
         if not MASK_BOOL:
             mv = tl.load(mask_row + g[:, None] * smh + cand[None, :] * sml, mask=gm[:, None] & live[None, :], other=0.0)
             s = s + mv.to(tl.float32)
+        elif MASK_HEADS > 1:  # a head may not read what another head of its group reads
+            mv = tl.load(mask_row + g[:, None] * smh + cand[None, :] * sml, mask=gm[:, None] & live[None, :], other=0)
+            s = tl.where(mv != 0, s, float("-inf"))
     s = tl.where(readable[None, :], s, float("-inf"))
     tl.store(scr_row + g[:, None] * N_SCR + offs[None, :], s, mask=gm[:, None] & inb[None, :])
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -67,7 +70,7 @@ def _mass_logits_kernel(
     BLOCK_N: tl.constexpr,  # candidates per step
     HAS_POS: tl.constexpr,  # candidates are positions[b, h, :] (gathered rows) instead of slots 0..N-1
     HAS_MASK: tl.constexpr,  # no mask: every candidate row is readable, no mask loads
-    MASK_BOOL: tl.constexpr,  # bool masks only gate readability; float masks are also added per head
+    MASK_BOOL: tl.constexpr,  # bool masks gate readability (per head if it has heads); float masks are added per head
     MASK_HEADS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact
     UPCAST: tl.constexpr,  # interpreter only: bf16 dot operands go through fp32

@@ -42,19 +42,38 @@ class Prism(Method):
                                  "(a refined layer re-scores an earlier proposal's pool)")
 
     def for_search(self) -> Prism:
+        """A variant of its own for one compiled model: it holds that model's role flags."""
         variant = type(self)()
         variant.search = True
+        variant.flags = None  # [layers] bool: which search layers propose (True) or refine (False)
         return variant
+
+    def set_roles(self, roles: list[str]) -> None:
+        """Search mode: make `roles` (proposal / refined / dense per layer) take effect in place."""
+        flags = torch.tensor([r == "proposal" for r in roles])
+        if self.flags is None:
+            self.flags = flags
+        else:
+            self.flags.copy_(flags)
+
+    def _role_flags(self, roles: list[str], device: torch.device) -> torch.Tensor:
+        if self.flags is None:
+            self.flags = torch.tensor([r in ("proposal", "search") for r in roles])
+        if self.flags.device != device:  # only before the first compile: graphs hold the tensor
+            self.flags = self.flags.to(device)
+        return self.flags
 
     def roles(self, plan, num_layers, dense):
         if plan.roles is not None:
             if len(plan.roles) != num_layers:
                 raise ValueError(f"sparse_fx: plan {plan.name!r} has roles for {len(plan.roles)} layers "
                                  f"but the model has {num_layers}")
-            roles = list(plan.roles)
-        else:
-            roles = ["proposal" if i % plan.group == 0 else "refined" for i in range(num_layers)]
-        roles = ["dense" if i in dense else r for i, r in enumerate(roles)]
+            roles = ["dense" if i in dense else r for i, r in enumerate(plan.roles)]
+        else:  # groups of `group` consecutive sparse layers, each led by its proposal layer
+            sparse = [i for i in range(num_layers) if i not in dense]
+            roles = ["dense"] * num_layers
+            for n, i in enumerate(sparse):
+                roles[i] = "proposal" if n % plan.group == 0 else "refined"
         out, seen = [], False  # a refined layer needs an earlier proposal: the first sparse layer proposes
         for r in roles:
             if r == "refined" and not seen:
@@ -112,7 +131,7 @@ class Prism(Method):
             pool, idx = own_pool, own_idx
         else:
             _, carried_pool, carried_idx = earlier
-            flag = emit.call(operator.getitem, emit.tensor("role_flags", state.role_flags(site.kv.device)), site.layer)
+            flag = emit.call(operator.getitem, emit.tensor("role_flags", self._role_flags(state.roles, site.kv.device)), site.layer)
             idx = emit.call(torch.where, flag, own_idx, self._refine(emit, state, site, carried_pool, carried_idx))
             pool = emit.call(torch.where, flag, own_pool, carried_pool)
             own_idx = emit.call(torch.where, flag, own_idx, carried_idx)
