@@ -174,7 +174,7 @@ def hash_select(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, 
                 mask: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """select_topk of the Hamming similarities of the signed query logits [B,Hq,32W] against the
     key signatures [B,Hkv,L,W] (HashAttention's decode selection, scoring fused into the select)."""
-    _check(q_logits.dim() == 3 and k_sig.dim() == 4 and q_logits.shape[-1] == 32 * k_sig.shape[-1],
+    _check(q_logits.dim() == 3 and k_sig.dim() == 4 and q_logits.shape[-1] == ref.WORD_BITS * k_sig.shape[-1],
            f"hash_select: q_logits must be [B, Hq, 32W] and k_sig [B, Hkv, L, W], got {tuple(q_logits.shape)}, {tuple(k_sig.shape)}")
     _check(q_logits.shape[1] % k_sig.shape[1] == 0, "hash_select: query heads must be a multiple of KV heads")
     _check_select(pos, k, sink, local, k_sig.shape[0], start, "hash_select")

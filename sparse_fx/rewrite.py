@@ -123,11 +123,9 @@ class _Edit:
         row.side_cache_bytes = state.side_caches.nbytes(site.layer)
         return side
 
-    def _start(self, mask: fx.Node | None, kv: KVShape) -> fx.Node | None:
+    def _start(self, mask: fx.Node, kv: KVShape) -> fx.Node:
         """Each batch row's first readable position, computed once per mask: a left-padded row's
-        sink starts there (None without a mask: every row starts at 0)."""
-        if mask is None:
-            return None
+        sink starts there."""
         if mask not in self.starts:  # emitted before this attention, so every later one sees it
             self.starts[mask] = self.emit.call(first_readable, mask, kv.batch, kv.max_len)
         return self.starts[mask]

@@ -74,7 +74,7 @@ def chunk_of(p, lo_c, hi_c, PROGS, BLOCK: tl.constexpr):
 # ------------------------------------------------------------------------------------ masks
 class MaskView:
     """Kernel arguments for an SDPA mask [B|1, 1|Hq, 1, L] read per KV head: the tensor itself
-    (bool read as bytes, no copy), broadcast strides 0, and how many mask heads one KV head owns
+    (a bool mask as it is, no copy), broadcast strides 0, and how many mask heads one KV head owns
     (G when the mask has Hq heads, else 1). Kernels only load from it, never store through an
     address derived from it, so Inductor sees a read-only input (no copy-back of the model's mask).
     """

@@ -15,7 +15,7 @@ import triton.language as tl
 from ..reference import INT2_CODES_PER_WORD
 from .common import (
     FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, is_pow2, on_kernel_device, pow2,
-    programs_per_row, upcast_dot,
+    programs_per_row, row_of, upcast_dot,
 )
 
 INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
@@ -192,8 +192,7 @@ def _int2_scores_kernel(
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
+    b, h = row_of(r, Hkv)
     filled = tl.minimum(tl.load(tpos_ptr).to(tl.int64) + 1, L) if HAS_POS else tl.zeros([], tl.int64) + L
     GS: tl.constexpr = D // M
     c = tl.arange(0, D)

@@ -121,8 +121,7 @@ def _mass_normalise_kernel(
 ):
     sp = tl.program_id(0)
     r = tl.program_id(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
+    b, h = row_of(r, Hkv)
     s = tl.arange(0, S_PAD)
     g = tl.arange(0, G_PAD)
     gm = g < G

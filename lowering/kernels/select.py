@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import WORD_BITS
 from .common import (
     FLOAT_DTYPES, STREAM_WAVES, MaskView, eligible, interpreting, mask_readable, on_kernel_device,
     row_chunk, row_of, pow2, programs_per_row,
@@ -276,18 +277,28 @@ def _select_kernel(
 
 
 # ------------------------------------------------------------------------------ launchers
+def _is_index(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and t.dtype != torch.bool
+
+
+def _selection_supported(pos, k, sink, local, mask, start, batch: int, n: int) -> bool:
+    """What both selections need of their common arguments (n: candidates per row)."""
+    return (
+        pos.dim() == 1 and pos.shape[0] >= 1 and _is_index(pos)
+        and k > 0 and sink >= 0 and local >= 0
+        and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
+        and (start is None or (start.dim() == 1 and start.shape[0] == batch and not start.is_floating_point()))
+        and n < 2**31 - 2 * (k + sink + local)
+    )
+
+
 def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None, start=None) -> bool:
     return (
         on_kernel_device(scores, pos, mask, positions, start)
         and scores.dim() == 3
         and scores.dtype in SCORE_KIND
-        and pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point() and pos.dtype != torch.bool
-        and k > 0 and sink >= 0 and local >= 0
-        and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
-        and (positions is None or (positions.shape == scores.shape and not positions.is_floating_point()
-                                   and positions.dtype != torch.bool))
-        and (start is None or (start.dim() == 1 and start.shape[0] == scores.shape[0] and not start.is_floating_point()))
-        and scores.shape[-1] < 2**31 - 2 * (k + sink + local)
+        and (positions is None or (positions.shape == scores.shape and _is_index(positions)))
+        and _selection_supported(pos, k, sink, local, mask, start, scores.shape[0], scores.shape[-1])
     )
 
 
@@ -358,14 +369,10 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
     B, Hq, bits = q_logits.shape
     W = k_sig.shape[3]
     return (
-        bits == 32 * W and 1 <= W <= 8
+        bits == WORD_BITS * W and 1 <= W <= 8
         and k_sig.shape[0] == B and Hq % k_sig.shape[1] == 0
-        and (Hq // k_sig.shape[1]) * 32 * W < 65535
-        and pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point() and pos.dtype != torch.bool
-        and k > 0 and sink >= 0 and local >= 0
-        and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
-        and (start is None or (start.dim() == 1 and start.shape[0] == B and not start.is_floating_point()))
-        and k_sig.shape[2] < 2**31 - 2 * (k + sink + local)
+        and (Hq // k_sig.shape[1]) * WORD_BITS * W < 65535
+        and _selection_supported(pos, k, sink, local, mask, start, B, k_sig.shape[2])
     )
 
 
@@ -382,7 +389,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     if R == 0:
         return out
-    key_bits = 16 if G * 32 * W + 1 > 255 else 8  # similarity + 1
+    key_bits = 16 if G * WORD_BITS * W + 1 > 255 else 8  # similarity + 1
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)

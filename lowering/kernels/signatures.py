@@ -164,8 +164,7 @@ def _hamming_kernel(
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)
-    b = (r // Hkv).to(tl.int64)
-    h = (r % Hkv).to(tl.int64)
+    b, h = row_of(r, Hkv)
     k_row = k_ptr + b * skb + h * skh
     o_row = out_ptr + b * sob + h * soh
     q_row = q_ptr + b * sqb + (h * G) * sqh

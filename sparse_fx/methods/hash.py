@@ -7,11 +7,10 @@ import operator
 
 import torch
 
+from ..lowering.reference import WORD_BITS
 from ..runtime.caches import Spec
 from ..runtime.encoders import apply_head_mlp
 from . import OPS, Method, Selection, register
-
-WORD_BITS = 32
 
 
 class Hash(Method):

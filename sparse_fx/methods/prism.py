@@ -92,7 +92,8 @@ class Prism(Method):
     @staticmethod
     def _int2_problem(D: int, plan) -> str | None:
         if D % INT2_CODES_PER_WORD:
-            return f"INT2 keys pack 16 channels per word; head dim {D} is not a multiple of 16"
+            return (f"INT2 keys pack {INT2_CODES_PER_WORD} channels per word; head dim {D} is not a multiple "
+                    f"of {INT2_CODES_PER_WORD}")
         if D % plan.int2_group:
             valid = [g for g in range(2, D + 1) if D % g == 0]
             return f"int2_group={plan.int2_group} does not divide head dim {D}; valid: {valid}"
