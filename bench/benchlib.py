@@ -204,7 +204,7 @@ def time_graph(fn, target_ms: float = 40.0, windows: int = 5) -> float:
 
 
 def copy_gbps() -> float:
-    """Device-to-device copy of 4 GiB, bytes read + written per second (GB/s), clocks warmed first."""
+    """Device-to-device copy of a 2 GiB tensor: bytes read + written per second (GB/s), clocks warmed first."""
     import torch
 
     a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)

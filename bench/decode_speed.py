@@ -29,6 +29,7 @@ import torch
 import sparse_fx
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+from decode_layers import step_floor_bytes  # bench/decode_layers.py
 
 METHODS = ("hf-default", "dense", "dense-gqa", "hash", "prism-g4")
 LLAMA_8B = dict(
@@ -128,12 +129,8 @@ def step_bytes(model, method: str, batch: int, n: int, args) -> float:
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     R, D, layers = batch * c.num_key_value_heads, c.hidden_size // c.num_attention_heads, c.num_hidden_layers
-    K = args.budget + args.sink + args.local
-    gathered = R * K * 2 * D * 2
-    if method == "hash":
-        per_layer = R * n * 4 + gathered
-    elif method == "prism-g4":  # one proposal (INT2 codes + fp16 scale/zero) per three refined (the pool's K rows)
-        per_layer = (R * n * (D // 4 + 4 * (D // 32)) + gathered + 3 * (R * 4 * args.budget * D * 2 + gathered)) / 4
+    if method in ("hash", "prism-g4"):  # prism-g4's pool: 4 x budget
+        per_layer = step_floor_bytes(method, R, n, args.budget + args.sink + args.local, 4 * args.budget, D)
     else:
         per_layer = R * n * D * 2 * 2
     return weights + layers * per_layer

@@ -57,52 +57,14 @@ if ARGS.smoke:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from decode_layers import OPS, Layers, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
 
-from sparse_fx.lowering import ops as _ops  # noqa: E402,F401  (registers torch.ops.sparse_fx)
 from sparse_fx.lowering import reference as ref  # noqa: E402
 
-OPS = torch.ops.sparse_fx
 T0 = time.perf_counter()
 
 
-# ------------------------------------------------------------------------------------ timing
-
-
-
-
-
-# ------------------------------------------------------------------------------------ state
-class Layers:
-    """NL decode layers of one (batch, cache length, filled length): q, K/V, side caches, mask."""
-
-    def __init__(self, B: int, L: int, filled: int, nl: int, dev):
-        bf = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        g = torch.Generator(device=dev).manual_seed(B * 7919 + L)
-        self.B, self.L, self.filled, self.nl = B, L, filled, nl
-        self.q = [torch.randn(B, HQ, 1, D, generator=g, device=dev, dtype=bf) for _ in range(nl)]
-        self.k = [torch.randn(B, HKV, L, D, generator=g, device=dev, dtype=bf) for _ in range(nl)]
-        self.v = [torch.randn(B, HKV, L, D, generator=g, device=dev, dtype=bf) for _ in range(nl)]
-        self.proj = torch.randn(D, 32, generator=g, device=dev, dtype=bf)  # LSH planes (the query side)
-        self.pos = torch.tensor([filled - 1], device=dev)
-        self.mask = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)  # what a static cache passes
-        self.mask[..., :filled] = True
-        self.sig, self.int2 = [], []
-        step = 1 << 15
-        for i in range(nl):
-            sig = torch.zeros(B, HKV, L, 1, dtype=torch.int32, device=dev)
-            codes = torch.zeros(B, HKV, L, D // 16, dtype=torch.int32, device=dev)
-            scale = torch.zeros(B, HKV, L, D // 32, dtype=torch.float16, device=dev)
-            zero = torch.zeros_like(scale)
-            for s in range(0, filled, step):
-                e = min(filled, s + step)
-                p = torch.arange(s, e, device=dev)
-                OPS.signature_write(sig, self.k[i][:, :, s:e] @ self.proj, p)
-                OPS.int2_write(codes, scale, zero, self.k[i][:, :, s:e], p)
-            self.sig.append(sig)
-            self.int2.append((codes, scale, zero))
-
-
+# ------------------------------------------------------------------------------------ steps
 class Steps:
     """Each plan's decode step over the NL layers, as the compiled graph runs it."""
 
@@ -137,13 +99,6 @@ class Steps:
                 for j, x in enumerate(idx)]
 
 
-def dense_step(st: Layers):
-    def sdpa():
-        return [F.scaled_dot_product_attention(st.q[i], st.k[i], st.v[i], enable_gqa=True) for i in range(st.nl)]
-
-    return sdpa
-
-
 # ------------------------------------------------------------------------------------ bytes
 def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
     """Bytes each kernel must move per call (reads + writes) at this shape, by design: the rows
@@ -165,27 +120,16 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
     }
 
 
-def floor_bytes(plan: str, B: int, filled: int, a) -> float:
-    """What a step must read at the least: its scores' inputs and the selected K/V rows."""
-    R, K, P = B * HKV, a.budget + a.sink + a.local, round(a.rho * a.budget)
-    gathered = R * K * 2 * 2 * D
-    if plan == "hash":
-        return R * filled * 4 + gathered
-    proposal = R * filled * (D // 4 + 4 * (D // 32)) + gathered
-    refined = R * P * 2 * D + gathered
-    return (proposal + 3 * refined) / 4
-
-
 # ------------------------------------------------------------------------------------ runs
 def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
     dev = torch.device("cuda")
-    st = Layers(B, L, filled, a.layers, dev)
+    st = Layers(B, L, a.layers, dev, HQ, HKV, D, filled)
     steps = Steps(st, a)
     row = dict(context=L, filled=filled, batch=B, layers=st.nl)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        row["dense_ms"] = benchlib.time_graph(dense_step(st)) / st.nl
+        row["dense_ms"] = benchlib.time_graph(st.dense) / st.nl
     kv = 2 * B * HKV * L * D * 2
     row["dense_gbps"] = kv / row["dense_ms"] / 1e6
     per = kernel_bytes(B, L, filled, a)
@@ -200,7 +144,7 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
             if b is not None:
                 rec.update(bytes=b, gbps=b / (us / layers) / 1e3, copy_fraction=b / (us / layers) / 1e3 / copy)
             kernels.append(rec)
-        floor = floor_bytes(plan, B, filled, a)
+        floor = step_floor_bytes(plan, B * HKV, filled, a.budget + a.sink + a.local, round(a.rho * a.budget), D)
         row[plan] = dict(ms=ms, speedup=row["dense_ms"] / ms, kernels=kernels,
                          launches_per_layer=sum(k["launches"] for k in kernels),
                          floor_bytes=floor, floor_ms=floor / copy / 1e6,
@@ -294,7 +238,7 @@ def run_smoke(a) -> None:
     a.budget, a.sink, a.local = 16, 4, 4
     global HQ, HKV, D
     HQ, HKV, D = 4, 2, 64
-    st = Layers(1, 256, 200, 2, torch.device("cpu"))
+    st = Layers(1, 256, 2, torch.device("cpu"), HQ, HKV, D, filled=200)
     steps = Steps(st, a)
     from sparse_fx.lowering import kernels as K
 

@@ -41,47 +41,14 @@ def parse_args():
 ARGS = parse_args()
 
 import torch  # noqa: E402
+from decode_layers import Layers  # noqa: E402  (bench/decode_layers.py)
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 from sparse_fx.lowering.kernels import gather_attention as A  # noqa: E402
 from sparse_fx.lowering.kernels import int2 as I  # noqa: E402
 from sparse_fx.lowering.kernels import select as S  # noqa: E402
-from sparse_fx.lowering.kernels import signatures as SG  # noqa: E402
 
 T0 = time.perf_counter()
-
-
-
-
-
-class Layers:
-    """NL decode layers of one shape: q, K/V, signatures (LSH of the keys), INT2 codes, mask."""
-
-    def __init__(self, B: int, L: int, nl: int):
-        g = torch.Generator("cuda").manual_seed(B * 7919 + L)
-        bf = torch.bfloat16
-        self.B, self.L, self.nl = B, L, nl
-        self.q = [torch.randn(B, HQ, 1, D, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
-        self.qlog = [torch.randn(B, HQ, 32, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
-        self.k = [torch.randn(B, HKV, L, D, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
-        self.v = [torch.randn(B, HKV, L, D, device="cuda", dtype=bf, generator=g) for _ in range(nl)]
-        self.mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device="cuda")
-        self.pos = torch.tensor([L - 1], device="cuda")
-        self.sig, self.int2 = [], []
-        proj = torch.randn(D, 32, device="cuda", dtype=bf, generator=g)
-        step = 1 << 15
-        for i in range(nl):
-            sig = torch.empty(B, HKV, L, 1, dtype=torch.int32, device="cuda")
-            codes = torch.empty(B, HKV, L, D // 16, dtype=torch.int32, device="cuda")
-            scale = torch.empty(B, HKV, L, D // 32, dtype=torch.float16, device="cuda")
-            zero = torch.empty_like(scale)
-            for s in range(0, L, step):
-                e = min(L, s + step)
-                p = torch.arange(s, e, device="cuda")
-                SG.signature_write(sig, self.k[i][:, :, s:e] @ proj, p)
-                I.int2_write(codes, scale, zero, self.k[i][:, :, s:e], p)
-            self.sig.append(sig)
-            self.int2.append((codes, scale, zero))
 
 
 def configs(space: dict) -> list[dict]:
@@ -107,7 +74,6 @@ def sweep(name: str, space: dict, make, nbytes: float, copy: float, rows: list, 
     print(f"  {name:<22} best {best['ms'] * 1e3:8.1f} us  {best['gbps']:6.0f} GB/s ({100 * best['copy_fraction']:3.0f}%)  "
           f"{best['config']}", flush=True)
     return best
-
 
 
 def check_correctness() -> list[str]:
@@ -166,7 +132,7 @@ def main() -> None:
         old = importlib.import_module("oldlowering.kernels")
     for L, B in itertools.product(ARGS.contexts, ARGS.batches):
         nl = ARGS.layers
-        st = Layers(B, L, nl)
+        st = Layers(B, L, nl, torch.device("cuda"), HQ, HKV, D, q_logits=True)
         shape = dict(context=L, batch=B)
         R = B * HKV
         print(f"L={L} B={B}", flush=True)
@@ -174,8 +140,7 @@ def main() -> None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            ms = benchlib.time_graph(lambda: [torch.nn.functional.scaled_dot_product_attention(st.q[i], st.k[i], st.v[i], enable_gqa=True)
-                                     for i in range(nl)]) / nl
+            ms = benchlib.time_graph(st.dense) / nl
         kv = 2 * R * L * D * 2
         best["dense_sdpa"] = dict(ms=ms, bytes=kv, gbps=kv / ms / 1e6, copy_fraction=kv / ms / 1e6 / copy)
         print(f"  dense sdpa flash        {ms * 1e3:8.1f} us  {kv / ms / 1e6:6.0f} GB/s", flush=True)

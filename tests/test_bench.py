@@ -60,3 +60,12 @@ def test_every_command_answers_help():
     failed = {" ".join(argv[1:]): (r.returncode, r.stderr[-600:]) for argv, r in results.items()
               if r.returncode != 0 or "usage:" not in r.stdout}
     assert not failed, failed
+
+
+def test_kernel_step_smoke_runs_both_steps_through_the_kernels():
+    """The kernel benches' shared inputs (bench/decode_layers.py) and both plans' steps, on tiny
+    shapes under the Triton interpreter: the GPU run is the same code at full size."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "bench/kernel_step.py", "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-2000:]

@@ -1,0 +1,68 @@
+"""Random decode layers for the kernel benches (kernel_step.py, kernel_tuning.py): one shape's
+queries, K/V caches, side caches written by our own ops, the mask a static cache passes, and the
+dense SDPA step they are measured against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparse_fx.lowering import ops as _ops  # noqa: F401  (registers torch.ops.sparse_fx)
+
+OPS = torch.ops.sparse_fx
+WRITE_CHUNK = 1 << 15  # positions per side-cache write while filling (bounds the temporaries)
+
+
+class Layers:
+    """`nl` distinct decode layers (so that replays do not find the last layer's data in L2) of
+    batch B, cache length L, filled to `filled` (default L): q, k, v per layer, 32-bit LSH
+    signatures and INT2 keys (group 32) of the filled positions, a bool mask and the query's
+    position. `q_logits` also draws per layer [B, hq, 32] query signature logits. bf16 on CUDA,
+    fp32 elsewhere (the CPU interpreter)."""
+
+    def __init__(self, B: int, L: int, nl: int, dev: torch.device, hq: int, hkv: int, d: int,
+                 filled: int | None = None, q_logits: bool = False):
+        filled = L if filled is None else filled
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        g = torch.Generator(device=dev).manual_seed(B * 7919 + L)
+        self.B, self.L, self.filled, self.nl = B, L, filled, nl
+        self.q = [torch.randn(B, hq, 1, d, generator=g, device=dev, dtype=dt) for _ in range(nl)]
+        if q_logits:
+            self.qlog = [torch.randn(B, hq, 32, generator=g, device=dev, dtype=dt) for _ in range(nl)]
+        self.k = [torch.randn(B, hkv, L, d, generator=g, device=dev, dtype=dt) for _ in range(nl)]
+        self.v = [torch.randn(B, hkv, L, d, generator=g, device=dev, dtype=dt) for _ in range(nl)]
+        self.proj = torch.randn(d, 32, generator=g, device=dev, dtype=dt)  # LSH planes
+        self.pos = torch.tensor([filled - 1], device=dev)
+        self.mask = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
+        self.mask[..., :filled] = True
+        self.sig, self.int2 = [], []
+        for i in range(nl):
+            sig = torch.zeros(B, hkv, L, 1, dtype=torch.int32, device=dev)
+            codes = torch.zeros(B, hkv, L, d // 16, dtype=torch.int32, device=dev)
+            scale = torch.zeros(B, hkv, L, d // 32, dtype=torch.float16, device=dev)
+            zero = torch.zeros_like(scale)
+            for s in range(0, filled, WRITE_CHUNK):
+                e = min(filled, s + WRITE_CHUNK)
+                p = torch.arange(s, e, device=dev)
+                OPS.signature_write(sig, self.k[i][:, :, s:e] @ self.proj, p)
+                OPS.int2_write(codes, scale, zero, self.k[i][:, :, s:e], p)
+            self.sig.append(sig)
+            self.int2.append((codes, scale, zero))
+
+    def dense(self) -> list[torch.Tensor]:
+        """Dense decode attention of every layer over its whole cache (SDPA, GQA, unmasked: the
+        best dense; pick the backend with `sdpa_kernel`)."""
+        return [F.scaled_dot_product_attention(self.q[i], self.k[i], self.v[i], enable_gqa=True) for i in range(self.nl)]
+
+
+def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, head_dim: int) -> float:
+    """Bytes one sparse layer's decode step must read at the least (prism-g4: the average over its
+    group of one proposal and three refined layers): what its scores read — 32-bit signatures
+    (hash), INT2 codes with fp16 scale and zero per 32 channels (a proposal), the pool's K rows (a
+    refined layer) — and the `kept` selected K/V rows. rows: batch x KV heads."""
+    gathered = rows * kept * 2 * 2 * head_dim
+    if plan == "hash":
+        return rows * filled * 4 + gathered
+    proposal = rows * filled * (head_dim // 4 + 4 * (head_dim // 32)) + gathered
+    refined = rows * pool * 2 * head_dim + gathered
+    return (proposal + 3 * refined) / 4
