@@ -221,8 +221,14 @@ def main() -> None:
     p.add_argument("--ttft", default="", help="contexts whose time to first token to measure (e.g. 32768,65536,131072)")
     p.add_argument("--ttft-batches", default="1", help="batches of the time-to-first-token runs")
     p.add_argument("--repeat", type=int, default=1, help="time each decode configuration this many times (median kept)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the rows of these results into --out/NAME.json, .md, .png")
+    p.add_argument("--name", default=None, help="file stem of --merge's result (default decode-<date>)")
     benchlib.add_out(p)
     args = p.parse_args()
+    if args.merge:
+        meta = benchlib.header(args)
+        merge(args.merge, args.out, args.name or f"decode-{meta['date'][:10]}", meta)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_speed.py needs a CUDA GPU")
     torch._dynamo.config.recompile_limit = 64  # one compiled graph per (method, batch, context)
@@ -260,7 +266,7 @@ def main() -> None:
     print_table(rows)
 
 
-def save(rows: list[dict], configs, out, meta: dict, complete: bool) -> None:
+def save(rows: list[dict], configs, out, meta: dict, complete: bool, stem: str | None = None) -> None:
     decode = [r for r in rows if r.get("kind") != "ttft"]
     for batch, n in configs:
         same = [r for r in decode if r["batch"] == batch and r["context"] == n and "tokens_per_s" in r]
@@ -274,13 +280,14 @@ def save(rows: list[dict], configs, out, meta: dict, complete: bool) -> None:
                      and d["context"] == r["context"] and d["batch"] == r["batch"] and "step_ms" in d), None)
         if r.get("kind") == "ttft" and step is not None and "warm_s" in r:
             r["prompt_plus_1000_tokens_s"] = r["warm_s"] + 1000 * step / 1e3
-    benchlib.save(out, f"decode-{meta['date'][:10]}", {"meta": meta, "complete": complete, "rows": rows},
+    benchlib.save(out, stem or f"decode-{meta['date'][:10]}", {"meta": meta, "complete": complete, "rows": rows},
                   markdown=markdown(rows, meta) if complete else None,
                   plot=(lambda path: plot(decode, path)) if complete else None)
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"End to end on {meta['gpu']}, Llama-3.1-8B shape (random bf16 weights); `{meta['command']}`", "",
+    commands = "; ".join(f"`{r['command']}`" for r in meta.get("runs", [meta]))
+    lines = [f"End to end on {meta['gpu']}, Llama-3.1-8B shape (random bf16 weights); {commands}", "",
              "| context | batch | method | tokens/s | step ms | vs best dense | bytes bound | compile s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("kind") == "ttft" or "step_ms" not in r:
@@ -297,6 +304,19 @@ def markdown(rows: list[dict], meta: dict) -> str:
             lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {r['warm_s']:.3f} | {r.get('warm_vs_dense', 1.0):.3f} | "
                          f"{r['cold_s']:.3f} | {f'{e2e:.2f}' if e2e else '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def merge(paths: list[str], out, stem: str, meta: dict) -> None:
+    """One result from several runs' JSONs (a device call has a time limit, so a full matrix takes
+    several): their rows, ratios recomputed within each (context, batch), every run's header kept."""
+    runs = [json.loads(open(p).read()) for p in paths]
+    rows = [{k: v for k, v in r.items() if k not in ("speedup_vs_best_dense", "bytes_ceiling_vs_best_dense")}
+            for run in runs for r in run["rows"]]
+    configs = sorted({(r["batch"], r["context"]) for r in rows if r.get("kind") != "ttft"})
+    first = runs[0]["meta"]
+    meta = {**meta, "gpu": first["gpu"], "versions": first["versions"], "runs": [run["meta"] for run in runs]}
+    save(rows, configs, out, meta, complete=True, stem=stem)
+    print_table(rows)
 
 
 def print_table(rows: list[dict]) -> None:
