@@ -30,6 +30,14 @@ def model_on_gpu(dtype=torch.bfloat16):
     return m.to("cuda", dtype)
 
 
+def kernel_access_memo():
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from sparse_fx.lowering.kernels import access_memo
+
+    return next(getattr(triton_kernel_wrap, n) for n in access_memo.ANALYSES if hasattr(triton_kernel_wrap, n))
+
+
 def decode(model, ids, prefill):
     from transformers import StaticCache
 
@@ -75,7 +83,10 @@ def test_inductor_emits_our_kernels_and_matches_the_eager_graph(plan):
     eager = sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", **OPTIONS)
     expect, _ = decode(eager, ids, 400)
     compiled = sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **OPTIONS)
+    memo = kernel_access_memo()
+    hits = memo.sparse_fx_hits
     _, codes = run_and_get_code(lambda: decode(compiled, ids[:, :401], 400))
+    assert memo.sparse_fx_hits > hits, "every layer's kernels were analysed anew: compile time grows with layers"
     source = "\n".join(codes)
     for name, launches in KERNELS[plan].items():
         torch.testing.FileCheck().check(f"def {name}").run(source)  # its source is emitted

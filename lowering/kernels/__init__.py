@@ -4,8 +4,11 @@ Each op has a launcher with the reference's signature (same outputs, dtypes, in-
 `*_supported(...)` predicate over devices, shapes and dtypes only. `lowering/ops.py` calls the
 launcher when the predicate accepts (CUDA tensors, or CPU tensors under the interpreter), else the
 reference. Launchers use `torch.library.wrap_triton`, allocate with `torch.empty`, and size their
-grids from shapes, so the ops trace under torch.compile and capture under CUDA graphs.
+grids from shapes, so the ops trace under torch.compile and capture under CUDA graphs. Importing
+the package also memoises torch's per-call-site analysis of the kernels (`access_memo`).
 """
+
+from . import access_memo
 
 from .gather_attention import sparse_decode_attention, sparse_decode_attention_supported
 from .int2 import int2_scores, int2_scores_supported, int2_write, int2_write_supported
@@ -19,6 +22,8 @@ from .signatures import (
     signature_write,
     signature_write_supported,
 )
+
+access_memo.install()
 
 __all__ = [
     "hash_select",

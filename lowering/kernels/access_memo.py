@@ -1,0 +1,100 @@
+"""Compile time: remember Inductor's analysis of which tensors a Triton kernel reads and writes.
+
+To functionalise and schedule a user-defined Triton kernel, torch lowers the kernel to Triton IR and
+walks it, once when functionalising and once when building Inductor's IR, at every call site. A
+32-layer decode graph calls each of our kernels once a layer, so the same analysis runs ~400 times
+on identical inputs. Its result depends only on the kernel and its arguments' kinds: each tensor's
+dtype (tensors are replaced by 2-element stand-ins), each symbolic size (replaced by 2) and each
+other argument's value. `install()` memoises it on exactly that key; calls with anything else
+(descriptor metadata, unknown argument kinds) go through unchanged. Pure memoisation of a
+deterministic function: results are the same, only computed once.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import torch
+
+# torch's names for the analysis across 2.11-2.13: the newer returns reads and writes, the older
+# the names of mutated arguments
+ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+_SCALARS = (bool, int, float, str, type(None), torch.dtype)
+
+
+def argument_key(kernel, kwargs: dict, *rest):
+    """The memo key of one analysis call, or None when an argument is of a kind it does not know."""
+    if any(r not in (None, {}) for r in rest):
+        return None
+    import sympy
+
+    parts = []
+    for name in sorted(kwargs):
+        v = kwargs[name]
+        if isinstance(v, torch.Tensor):  # the class too: torch tells tensors from other arguments by it
+            parts.append((name, type(v).__name__, v.dtype))
+        elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+            parts.append((name, "symbolic"))
+        elif hasattr(v, "get_dtype") and hasattr(v, "get_size"):  # an Inductor buffer (TensorBox)
+            parts.append((name, type(v).__name__, v.get_dtype()))
+        elif isinstance(v, _SCALARS):
+            parts.append((name, type(v).__name__, v))
+        elif type(v).__name__ == "constexpr" and isinstance(getattr(v, "value", None), _SCALARS):
+            parts.append((name, "constexpr", v.value))
+        elif type(v).__module__.startswith("triton") and type(v).__name__ == "dtype":  # tl.bfloat16 and kin
+            parts.append((name, "triton dtype", str(v)))
+        else:
+            return None
+    return (kernel, tuple(parts))
+
+
+def memoised(analysis):
+    """`analysis` with a memo keyed by `argument_key`; results are copied out, never shared.
+    `wrapper.sparse_fx_memo` holds the memo, `wrapper.sparse_fx_hits` counts the calls it answered."""
+    memo: dict = {}
+
+    signature = inspect.signature(analysis)
+
+    @functools.wraps(analysis)
+    def wrapper(*args, **kw):
+        try:
+            key = argument_key(*signature.bind(*args, **kw).arguments.values())
+            hash(key)
+        except TypeError:
+            key = None
+        if key is None:
+            return analysis(*args, **kw)
+        if key in memo:
+            wrapper.sparse_fx_hits += 1
+        else:
+            memo[key] = analysis(*args, **kw)
+        try:
+            return copy.deepcopy(memo[key])
+        except Exception:  # noqa: BLE001 - a result that cannot be copied is not memoised
+            del memo[key]
+            return analysis(*args, **kw)
+
+    wrapper.sparse_fx_memo = memo
+    wrapper.sparse_fx_hits = 0
+    return wrapper
+
+
+def install() -> None:
+    """Wrap torch's kernel-access analysis (once per process; a torch without it is left alone)."""
+    import importlib
+
+    wrapped = {}
+    for where in ("torch._higher_order_ops.triton_kernel_wrap", "torch._inductor.ir"):  # the latter may bind it at import
+        try:
+            module = importlib.import_module(where)
+        except ImportError:
+            continue
+        for name in ANALYSES:
+            fn = getattr(module, name, None)
+            if fn is None or hasattr(fn, "sparse_fx_memo"):
+                continue
+            if fn not in wrapped:
+                wrapped[fn] = memoised(fn)
+            setattr(module, name, wrapped[fn])
