@@ -3,7 +3,8 @@
 They are allocated once per (layer, KV-cache shape, device), with static addresses that every
 compiled decode graph of that shape captures, and written only where the KV cache is written.
 One set serves every KV cache of its shape, so it records which cache it currently describes
-(its owner); a decode step on another cache refills it from that cache's keys first.
+(its owner); a decode step on another cache refills it from that cache's keys first. Shapes
+are a rank's own under tensor parallelism (`Shard`: which heads it holds).
 """
 
 from __future__ import annotations
@@ -28,6 +29,27 @@ class KVShape:
     def of(cls, t: torch.Tensor) -> KVShape:
         b, h, n, d = (int(s) for s in t.shape)
         return cls(b, h, n, d, t.device)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The attention heads one tensor-parallel rank holds: part `rank` of `size` equal, contiguous
+    parts of every layer's query and KV heads (Hugging Face shards q/k/v projections by column)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def part(self, total: int) -> slice:
+        """This rank's heads of `total` (all of them when not sharded)."""
+        n = total // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def describe(self, kv_heads: int | None) -> str | None:
+        """'rank r of n, KV heads a-b' (None when not sharded)."""
+        if self.size == 1:
+            return None
+        heads = f", KV heads {self.part(kv_heads).start}-{self.part(kv_heads).stop - 1}" if kv_heads else ""
+        return f"rank {self.rank} of {self.size}{heads}"
 
 
 @dataclass(frozen=True)

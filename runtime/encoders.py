@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .caches import Shard
+
 
 @dataclass
 class HeadMLP:
@@ -29,6 +31,10 @@ class HeadMLP:
             [w.to(device) for w in self.weights],
             [None if b is None else b.to(device) for b in self.biases],
         )
+
+    def heads(self, part: slice) -> HeadMLP:
+        """The MLP of heads `part` only (a tensor-parallel rank's share)."""
+        return HeadMLP([w[part] for w in self.weights], [None if b is None else b[part] for b in self.biases])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return apply_head_mlp(x, *self.params())
@@ -167,12 +173,18 @@ class Encoders:
     def learned(self) -> bool:
         return self.trained is not None
 
-    def layer(self, layer: int, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerEncoders:
-        key = (layer, str(device), q_heads)
+    def layer(self, layer: int, q_heads: int, kv_heads: int, head_dim: int, device: torch.device,
+              shard: Shard = Shard()) -> LayerEncoders:
+        """Layer `layer`'s encoders for the heads a rank holds: `q_heads` and `kv_heads` are its
+        counts, `shard` which part of the whole model's heads they are. A rank gets exactly the
+        encoders of its heads in the unsharded model, so sharding changes no signature."""
+        key = (layer, str(device), q_heads, shard)
         if key not in self._cache:
             if self.trained is not None:
                 enc = self.trained.layer(layer)
             else:
-                enc = lsh_layer(q_heads, kv_heads, head_dim, self.bits, seed=self.seed * 100003 + layer)
-            self._cache[key] = LayerEncoders(query=enc.query.to(device), key=enc.key.to(device))
+                enc = lsh_layer(q_heads * shard.size, kv_heads * shard.size, head_dim, self.bits,
+                                seed=self.seed * 100003 + layer)
+            query, keys = enc.query.heads(shard.part(q_heads * shard.size)), enc.key.heads(shard.part(kv_heads * shard.size))
+            self._cache[key] = LayerEncoders(query=query.to(device), key=keys.to(device))
         return self._cache[key]

@@ -114,9 +114,13 @@ def explain(model: torch.nn.Module) -> Report:
              else "prefill (several tokens): the model's own dense attention, uncompiled; then the side caches are written"]
     if state.attention_note:
         notes.append(state.attention_note)
+    shard = state.info.shard.describe(state.info.kv_heads)
+    if shard:
+        notes.append(f"tensor parallel: this report is {shard}; side caches and selections are this rank's heads only")
     return Report(plan=state.plan, method=state.method.describe(state), description=state.plan.description,
                   model_type=state.info.model_type, num_layers=state.info.num_layers, rows=rows,
-                  side_cache_bytes=0 if traced else state.side_caches.nbytes(), notes=notes, traced=traced)
+                  side_cache_bytes=0 if traced else state.side_caches.nbytes(), notes=notes, traced=traced,
+                  shard=state.info.shard)
 
 
 def measurements(model: torch.nn.Module) -> Measurements:

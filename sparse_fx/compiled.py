@@ -74,9 +74,11 @@ class CompiledState:
         return f"{p.sink}+{p.local}+{p.budget}"
 
     def layer_encoders(self, layer: int, kv: KVShape, q_heads: int | None = None) -> LayerEncoders:
-        """A layer's signature encoders (the key side does not depend on `q_heads`)."""
-        q_heads = q_heads or self.info.q_heads or kv.kv_heads
-        return self.encoders.layer(layer, q_heads, kv.kv_heads, kv.head_dim, kv.device)
+        """A layer's signature encoders for this rank's heads (`kv` and `q_heads` count those; the
+        key side does not depend on `q_heads`)."""
+        shard = self.info.shard
+        q_heads = q_heads or (self.info.q_heads // shard.size if self.info.q_heads else kv.kv_heads)
+        return self.encoders.layer(layer, q_heads, kv.kv_heads, kv.head_dim, kv.device, shard)
 
     def record(self, report: GraphReport) -> None:
         """Keep a compiled graph's report. A decode graph may read a layer's side cache only if

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .plan import Plan
+from .runtime.caches import Shard
 
 COLUMNS = (
     ("layer", "layer"),
@@ -60,6 +61,7 @@ class Report:
     side_cache_bytes: int
     notes: list[str]
     traced: bool = False
+    shard: Shard = Shard()  # the tensor-parallel rank and heads it describes
 
     def __iter__(self):
         return iter(self.rows)

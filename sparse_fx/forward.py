@@ -166,7 +166,8 @@ def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:
 
     Left to allocate lazily, it would do so inside the compiled graph, where Hugging Face cannot
     mark its tensors as static addresses; CUDA graphs then skip the step ("mutated inputs") and the
-    next launch fails on the unmarked tensors. Only on CUDA, where CUDA graphs run.
+    next launch fails on the unmarked tensors. Only on CUDA, where CUDA graphs run. Sized per
+    rank under tensor parallelism, as Hugging Face's own early initialisation is.
     """
     layers = static_layers(cache)
     if not layers or not hasattr(cache, "early_initialization") or not isinstance(ids, torch.Tensor):
@@ -177,7 +178,7 @@ def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:
     if param is None or not param.is_cuda or info.mla:
         return  # (MLA: keys and values differ in size; Hugging Face does not initialise these early either)
     dtype = getattr(model, "dtype", param.dtype)  # what generate() initialises with (a first parameter may be fp32)
-    cache.early_initialization(ids.shape[0], info.kv_heads, info.head_dim, dtype, param.device)
+    cache.early_initialization(ids.shape[0], info.kv_heads // info.shard.size, info.head_dim, dtype, param.device)
 
 
 def cache_bucket(n: int) -> int:

@@ -3,7 +3,8 @@
 `ModelInfo.of(model)` gives the shapes plans and caches need; `fingerprint` names a model for
 trained signature encoders (shapes and a sample of the weights, so that encoders trained on one
 model are refused by another of the same shape); `use_sdpa` puts the model on SDPA attention,
-the call the pass rewrites.
+the call the pass rewrites. Under Hugging Face tensor parallelism (`tp_plan="auto"`) the config
+keeps the whole model's head counts; `Shard` says which heads this rank holds.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .runtime.caches import Shard
 
 SDPA = "sdpa"
 
@@ -20,6 +23,16 @@ def _text_config(model: torch.nn.Module):
     if config is None:
         raise ValueError("sparse_fx: the model has no `config`; pass a Hugging Face decoder (PreTrainedModel)")
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def shard_of(model: torch.nn.Module) -> Shard:
+    """This process's share of a model that Hugging Face sharded for tensor parallelism."""
+    size = getattr(model, "_tp_size", None) or 1
+    mesh = getattr(model, "_device_mesh", None)
+    if size <= 1 or mesh is None:
+        return Shard()
+    tp = mesh["tp"] if mesh.ndim > 1 else mesh
+    return Shard(tp.get_local_rank(), size)
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,7 @@ class ModelInfo:
     head_dim: int | None = None
     sliding_layers: frozenset[int] = frozenset()
     mla: bool = False  # keys and values of different widths (multi-head latent attention)
+    shard: Shard = Shard()  # the heads this rank holds (head counts above are the whole model's)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelInfo:
@@ -50,8 +64,12 @@ class ModelInfo:
             hidden = getattr(text, "hidden_size", None)
             head_dim = hidden // q_heads if isinstance(hidden, int) and isinstance(q_heads, int) and q_heads else None
         kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
+        shard = shard_of(model)
+        if shard.size > 1 and (not kv_heads or kv_heads % shard.size):
+            raise ValueError(f"sparse_fx: tensor parallelism over {shard.size} ranks needs KV heads divisible by it, "
+                             f"the model has {kv_heads}")
         return cls(getattr(text, "model_type", type(model).__name__), layers, q_heads, kv_heads, head_dim, sliding,
-                   getattr(text, "qk_head_dim", None) is not None)
+                   getattr(text, "qk_head_dim", None) is not None, shard)
 
     def fingerprint(self, model: torch.nn.Module) -> dict:
         """Shapes and a sample of the weights: what trained encoders must match."""
@@ -68,10 +86,11 @@ class ModelInfo:
 def weights_sample(model: torch.nn.Module, per_param: int = 4) -> list[float]:
     """A few evenly spaced values of every parameter (in name order), to 6 significant digits:
     compared within a tolerance (`runtime.encoders.same_weights`), it tells the trained model from
-    another of the same shapes and survives a change of dtype or device."""
+    another of the same shapes and survives a change of dtype, device or tensor-parallel sharding."""
     out = []
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda np: np[0]):
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p  # a tensor-parallel shard: the whole weight, one at a time
             flat = p.detach().reshape(-1)
             n = min(per_param, flat.numel())
             idx = torch.tensor([j * (flat.numel() - 1) // max(n - 1, 1) for j in range(n)], device=flat.device)

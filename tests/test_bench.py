@@ -69,3 +69,15 @@ def test_kernel_step_smoke_runs_both_steps_through_the_kernels():
     r = subprocess.run([sys.executable, "bench/kernel_step.py", "--smoke"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks():
+    """bench/decode_tp.py on two CPU processes (gloo, a tiny model, eager backend): loading the
+    sharded checkpoint, per-rank caches and the sparse plans, as the GPU run does at full size."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "bench/decode_tp.py", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "smoke ok" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["method"] for row in rows] == ["dense", "hash", "prism-g4"]
+    assert all(row["shard"] == "Shard(rank=0, size=2)" for row in rows[1:])
