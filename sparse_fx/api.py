@@ -64,8 +64,9 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     method = methods.get(plan.method)
     if _search:
         method = method.for_search()
-    if encoders is not None and not method.uses_encoders:
-        raise ValueError(f"sparse_fx: encoders only apply to the hash plan (signatures), not {plan.name!r}")
+    if encoders is not None and not method.uses_encoders(plan):
+        raise ValueError(f"sparse_fx: encoders only apply to plans that score with signatures (hash, "
+                         f"prism with proposal='hash'), not {plan.name!r}")
     if encoders is not None and not isinstance(encoders, SignatureEncoders):
         encoders = SignatureEncoders.load(encoders)
     if encoders is not None and "bits" not in plan_options and encoders.bits != plan.bits:

@@ -41,7 +41,8 @@ def calibrate(
     `sparse_fx.data` (needs `tokenizer`); the last `steps` tokens of each window are decoded
     sparsely under teacher forcing after a dense prefill of the rest. method: "prism" or
     "static" (IndexCache-style reuse, for the ablation). plan_options: budget, sink, local, rho,
-    int2_group, dense_layers. The model is left as it was.
+    int2_group, proposal ("int2" or "hash": signature proposals, with `encoders` a directory of
+    trained ones or LSH without), dense_layers. The model is left as it was.
     """
     from transformers import StaticCache
 

@@ -40,9 +40,11 @@ class Plan:
     budget is κ, the tokens chosen by score on top of `sink` first and `local` last tokens; a
     Prism proposal layer keeps a pool of round(rho * budget) candidates; `bits` is the signature
     width of `hash` (LSH until trained encoders are given); `int2_group` is the channels per INT2
-    scale/zero group; `roles` (one per layer: proposal / refined / dense) overrides the uniform
+    scale/zero group; `proposal` is how Prism's proposal layers score every key: INT2 copies of
+    the keys (the paper) or `hash` signatures (4 bytes a key, then the refined layers re-score the
+    pool exactly as with INT2); `roles` (one per layer: proposal / refined / dense) overrides the uniform
     grouping; `dense_layers` stay dense under any method; `encoders` is the directory of trained
-    signature encoders for `hash` (see `sparse_fx.train_signatures`), so a plan file can carry them.
+    signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
     """
 
     method: str = "dense"
@@ -52,6 +54,7 @@ class Plan:
     local: int = 128
     rho: float = 4.0
     int2_group: int = 32
+    proposal: str = "int2"
     bits: int = 32
     seed: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -83,8 +86,12 @@ class Plan:
             object.__setattr__(self, "roles", tuple(self.roles))
         if self.encoders is not None and not isinstance(self.encoders, (str, Path)):
             _fail(f"encoders must be a directory path, got {self.encoders!r}")
-        if self.encoders is not None and not handler.uses_encoders:
-            _fail(f"encoders apply to the hash plan (signatures), not {self.method!r}")
+        if self.proposal not in handler.proposals:
+            _fail(f"proposal={self.proposal!r} is not one {self.method!r} takes; valid: {', '.join(handler.proposals)} "
+                  "(how proposal layers score every key: prism takes int2 or hash)")
+        if self.encoders is not None and not handler.uses_encoders(self):
+            _fail(f"encoders apply to plans that score with signatures (hash, prism with proposal='hash'), "
+                  f"not {self.name!r}")
         if self.roles is not None and not handler.explicit_roles:
             _fail(f"explicit roles need a plan with proposal and refined layers, not {self.method!r}")
         handler.validate(self)

@@ -21,11 +21,11 @@ def model():
     return tiny_model("llama", layers=6)
 
 
-@pytest.mark.parametrize("method", ["prism", "static"])
-def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, method):
+@pytest.mark.parametrize("plan", ["prism-g3", "static-g3", "prism-g3-hash"])
+def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, plan):
     roles = ("proposal", "refined", "proposal", "refined", "refined", "proposal")
-    fixed = sparse_fx.compile(copy.deepcopy(model), f"{method}-g3", backend="eager", roles=roles, **OPTIONS)
-    search = sparse_fx.compile(copy.deepcopy(model), f"{method}-g3", backend="eager", _search=True, **OPTIONS)
+    fixed = sparse_fx.compile(copy.deepcopy(model), plan, backend="eager", roles=roles, **OPTIONS)
+    search = sparse_fx.compile(copy.deepcopy(model), plan, backend="eager", _search=True, **OPTIONS)
     sparse_state(search).method.set_roles(list(roles))
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     ca, cb = StaticCache(config=model.config, max_cache_len=48), StaticCache(config=model.config, max_cache_len=48)
@@ -37,18 +37,19 @@ def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, meth
                                        search(ids[:, t : t + 1], past_key_values=cb).logits)
 
 
-@pytest.mark.parametrize("group", [2, 4])
-def test_calibration_returns_a_valid_role_assignment(model, group, tmp_path):
+@pytest.mark.parametrize("group, proposal", [(2, "int2"), (4, "int2"), (2, "hash")])
+def test_calibration_returns_a_valid_role_assignment(model, group, proposal, tmp_path):
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
     plain.set_attn_implementation("eager")
     settings = plain.generation_config.disable_compile
-    plan = sparse_fx.calibrate(plain, ids, group=group, steps=6, progress=False, **OPTIONS)
+    plan = sparse_fx.calibrate(plain, ids, group=group, steps=6, progress=False, proposal=proposal, **OPTIONS)
     assert not {"forward", "_prepare_static_cache"} & set(plain.__dict__), "calibrate must leave the model as it was"
     assert plain.config._attn_implementation == "eager" and plain.generation_config.disable_compile == settings
     assert len(plan.roles) == 6 and plan.roles[0] == "proposal"
     assert plan.roles.count("proposal") == math.ceil(6 / group) and set(plan.roles) <= {"proposal", "refined"}
-    assert "calibrated on 2 windows" in plan.note and plan.name == f"prism-g{group}-calibrated"
+    suffix = "-hash" if proposal == "hash" else ""
+    assert "calibrated on 2 windows" in plan.note and plan.name == f"prism-g{group}{suffix}-calibrated"
     plan.save(tmp_path / "p.json")
     assert sparse_fx.Plan.load(tmp_path / "p.json") == plan
     compiled = sparse_fx.compile(copy.deepcopy(model), str(tmp_path / "p.json"), backend="eager")

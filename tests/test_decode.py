@@ -47,7 +47,7 @@ def assert_side_caches_match_the_keys(model, cache, n):
             assert torch.equal(side["zero"][:, :, :n], z)
 
 
-@pytest.mark.parametrize("plan", ["hash", "prism-g2", "static-g2", "oracle"])
+@pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "static-g2", "oracle"])
 def test_twenty_decode_steps_no_recompile_and_side_caches_match_recomputation(plan):
     model = tiny_model("llama", layers=4)
     sparse_fx.compile(model, plan, backend="eager", **PLAN_OPTIONS)
@@ -64,7 +64,7 @@ def test_prefill_logits_are_the_dense_models():
     dense = tiny_model("llama", layers=3)
     with torch.no_grad():
         want = dense(ids, past_key_values=StaticCache(config=dense.config, max_cache_len=40)).logits
-    for plan in ("oracle", "hash", "prism-g2", "static-g2"):
+    for plan in ("oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2"):
         model = sparse_fx.compile(tiny_model("llama", layers=3), plan, backend="eager", **PLAN_OPTIONS)
         with torch.no_grad():
             got = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=40)).logits
@@ -128,7 +128,7 @@ def test_a_fresh_static_cache_is_allocated_outside_the_compiled_graph(monkeypatc
         assert layer.keys.shape == (2, 2, 32, 16) and layer.keys.dtype == next(model.parameters()).dtype
 
 
-@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "static-g2"])
+@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2"])
 def test_generate_with_budget_covering_context_equals_dense(plan):
     model = tiny_model("qwen3", layers=4)
     ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(4))

@@ -129,7 +129,7 @@ def test_budget_covering_context_equals_dense_on_gpu():
     base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (2, 120), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     dense, _ = decode(base, ids, 100)
-    for plan in ("oracle", "hash", "prism-g2"):
+    for plan in ("oracle", "hash", "prism-g2", "prism-g2-hash"):
         got, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, mode="default", budget=128, sink=4, local=4), ids, 100)
         for a, b in zip(got, dense):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

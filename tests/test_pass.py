@@ -34,7 +34,7 @@ COVER = dict(budget=64, sink=2, local=3)  # budget + window cover the whole 64-s
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "static-g2"])
+@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2"])
 def test_budget_covering_context_equals_dense_in_every_call_form(form, plan):
     dense = ToyDecoder(form=form)
     sparse = compiled(dense, plan, int2_group=8, **COVER)
@@ -168,8 +168,10 @@ def test_compile_rejects_bad_input():
         sparse_fx.compile(model, "hash", backend="tvm")
     with pytest.raises(ValueError, match="valid modes"):
         sparse_fx.compile(model, "hash", mode="fast")
-    with pytest.raises(ValueError, match="encoders only apply to the hash plan"):
+    with pytest.raises(ValueError, match=r"encoders only apply to plans that score with signatures .*not 'oracle'"):
         sparse_fx.compile(model, "oracle", encoders=object())
+    with pytest.raises(ValueError, match="not 'prism-g4'"):
+        sparse_fx.compile(model, "prism-g4", encoders=object())  # INT2 proposals: no signatures
     with pytest.raises(ValueError, match="does not divide head dim 16"):
         sparse_fx.compile(model, "prism-g4", int2_group=32)
     with pytest.raises(ValueError, match="training mode"):

@@ -9,7 +9,8 @@ from sparse_fx import Plan
 @pytest.mark.parametrize(
     "name, method, group",
     [("dense", "dense", 4), ("oracle", "oracle", 4), ("hash", "hash", 4), ("prism-g4", "prism", 4),
-     ("prism-g9", "prism", 9), ("static-g4", "static", 4), ("Prism", "prism", 4)],
+     ("prism-g9", "prism", 9), ("static-g4", "static", 4), ("Prism", "prism", 4), ("prism-g4-hash", "prism", 4),
+     ("static-g2-hash", "static", 2)],
 )
 def test_parse_names(name, method, group):
     p = Plan.parse(name)
@@ -46,6 +47,9 @@ def test_options_override_and_pool():
         ("prism-g4", {"roles": ("refined", "proposal")}, "first sparse layer must be a proposal"),
         ("prism-g4", {"roles": ("proposal", "bogus")}, "unknown layer roles"),
         ("hash", {"encoders": 3}, "encoders must be a directory path"),
+        ("prism-g4", {"proposal": "int4"}, r"proposal='int4' is not one 'prism' takes; valid: int2, hash"),
+        ("hash", {"proposal": "hash"}, r"proposal='hash' is not one 'hash' takes; valid: int2"),
+        ("hash-hash", {}, "unknown plan"),
     ],
 )
 def test_bad_plans_raise_naming_valid_choices(name, options, match):
@@ -91,5 +95,15 @@ def test_hash_widths_and_encoder_paths():
     assert p.name == "hash-learned" and p.encoders == "enc/"
     with pytest.raises(ValueError, match="multiple of 32"):
         Plan.parse("hash-b48")
-    with pytest.raises(ValueError, match="encoders apply to the hash plan"):
+    with pytest.raises(ValueError, match=r"encoders apply to plans that score with signatures .*not 'prism-g4'"):
         Plan.parse("prism-g4", encoders="enc/")
+
+
+def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
+    by_name, by_option = Plan.parse("prism-g4-hash"), Plan.parse("prism-g4", proposal="hash")
+    assert by_name == by_option and by_name.proposal == "hash" and by_name.name == "prism-g4-hash"
+    assert Plan.parse("prism-g4").proposal == "int2"
+    p = Plan.parse("prism-g2-hash", encoders="enc/", roles=("proposal", "refined"))
+    assert p.name == "prism-g2-hash-calibrated"
+    p.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == p

@@ -59,7 +59,7 @@ def test_sharded_decode_over_two_ranks(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, facts in enumerate(ranks):
-        assert set(facts["plans"]) == {"oracle", "hash", "prism-g2", "hash (trained)"}
+        assert set(facts["plans"]) == {"oracle", "hash", "prism-g2", "prism-g2-hash", "hash (trained)"}
         for name, p in facts["plans"].items():
             assert p["sparse_layers"] == [0, 1] and p["decode_graphs"] == 1, (r, name, p)
             assert p["side_cache_heads"] in ([], [1]), f"{name}: side caches of {p['side_cache_heads']} heads on a rank of 1"

@@ -65,7 +65,7 @@ class Method:
     name = ""
     description = ""
     explicit_roles = False  # whether a plan may give its layer roles (a calibrated plan)
-    uses_encoders = False  # whether it scores with signature encoders (a plan may name trained ones)
+    proposals = ("int2",)  # the plan's `proposal` values it takes (the first is the default)
     rewrites = True  # whether any layer can run sparse (the dense plan: none)
 
     # ---------------------------------------------------------------- plans
@@ -84,6 +84,10 @@ class Method:
 
     def plan_name(self, plan: Plan) -> str:
         return self.name
+
+    def uses_encoders(self, plan: Plan) -> bool:
+        """Whether `plan` scores with signature encoders (then it may name trained ones)."""
+        return False
 
     def validate(self, plan: Plan) -> None:
         """Reject option values this method cannot take (ValueError naming the valid choices)."""

@@ -18,38 +18,62 @@ class Hash(Method):
     name_forms = "hash, hash-b<bits> (e.g. hash-b128)"
     name_option = ("b", "bits")
     description = "key/query bit signatures scored by Hamming similarity (HashAttention)"
-    uses_encoders = True
+
+    def uses_encoders(self, plan):
+        return True
 
     def plan_name(self, plan):
         return "hash" + (f"-b{plan.bits}" if plan.bits != 32 else "") + ("-learned" if plan.encoders else "")
 
     def describe(self, state):
-        kind = "learned" if state.encoders.learned else "LSH, untrained"
-        return f"{state.plan.name} ({kind} {state.plan.bits}-bit signatures)"
+        return f"{state.plan.name} ({signature_kind(state)} {state.plan.bits}-bit signatures)"
 
     def notices(self, state):
-        if state.encoders.learned:
-            return {}
-        return {"lsh": "sparse_fx: hash is running untrained random signatures (LSH, about 90% of the oracle's "
-                       "next-token agreement); train encoders with sparse_fx.train_signatures(model, tokenizer=...) "
-                       "and pass them as compile(..., encoders=...)"}
+        return lsh_notice(state, "hash")
 
     def side_cache(self, role, kv, plan):
-        return {"signatures": Spec((plan.bits // WORD_BITS,), torch.int32)} if role == "sparse" else {}
+        return signature_cache(plan) if role == "sparse" else {}
 
     def write(self, emit, state, layer, kv, side, new_keys, pos):
-        enc = state.layer_encoders(layer, kv)
-        logits = emit.call(apply_head_mlp, new_keys, *emit.tensors(f"l{layer}_kenc", enc.key.params()))
-        emit.call(OPS.signature_write.default, side["signatures"], logits, pos)
+        write_signatures(emit, state, layer, kv, side, new_keys, pos)
 
     def select(self, emit, state, site):
         p = state.plan
-        enc = state.layer_encoders(site.layer, site.kv, site.q_heads)
-        q_logits = emit.call(apply_head_mlp, site.q, *emit.tensors(f"l{site.layer}_qenc", enc.query.params()))
-        q_logits = emit.call(operator.getitem, q_logits, (slice(None), slice(None), 0))  # [B, Hq, bits]
-        idx = emit.call(OPS.hash_select.default, q_logits, site.side["signatures"], site.pos, p.budget, p.sink,
-                        p.local, site.mask, site.start)
+        idx = emit.call(OPS.hash_select.default, query_logits(emit, state, site), site.side["signatures"], site.pos,
+                        p.budget, p.sink, p.local, site.mask, site.start)
         return Selection(idx)
+
+
+# ------------------------------------------------------------------------ shared with Prism's
+# signature proposals
+def signature_kind(state) -> str:
+    return "learned" if state.encoders.learned else "LSH, untrained"
+
+
+def lsh_notice(state, plan: str) -> dict[str, str]:
+    if state.encoders.learned:
+        return {}
+    return {"lsh": f"sparse_fx: {plan} is running untrained random signatures (LSH, about 90% of the oracle's "
+                   "next-token agreement for hash); train encoders with sparse_fx.train_signatures(model, "
+                   "tokenizer=...) and pass them as compile(..., encoders=...)"}
+
+
+def signature_cache(plan) -> dict[str, Spec]:
+    return {"signatures": Spec((plan.bits // WORD_BITS,), torch.int32)}
+
+
+def write_signatures(emit, state, layer, kv, side, new_keys, pos) -> None:
+    """Sign the keys just stored (the layer's key encoder) into its signature cache."""
+    enc = state.layer_encoders(layer, kv)
+    logits = emit.call(apply_head_mlp, new_keys, *emit.tensors(f"l{layer}_kenc", enc.key.params()))
+    emit.call(OPS.signature_write.default, side["signatures"], logits, pos)
+
+
+def query_logits(emit, state, site):
+    """The decode query through the layer's query encoder: [B, Hq, bits] floats (signs = signature)."""
+    enc = state.layer_encoders(site.layer, site.kv, site.q_heads)
+    q_logits = emit.call(apply_head_mlp, site.q, *emit.tensors(f"l{site.layer}_qenc", enc.query.params()))
+    return emit.call(operator.getitem, q_logits, (slice(None), slice(None), 0))
 
 
 register(Hash())

@@ -1,5 +1,7 @@
 """Prism: proposal layers score every key with INT2 copies and keep a pool of rho * budget
 candidates; the refined layers after them re-score only that pool with their own exact keys.
+With `proposal="hash"` (plan name suffix `-hash`) proposal layers score with HashAttention's
+32-bit signatures instead (4 bytes a key against INT2's 48 at head dim 128), beyond both papers.
 
 `static` is the IndexCache-style ablation (refined layers reuse the proposal's choice as is), and
 `for_search()` gives calibration's variant, where every sparse layer computes both paths and a
@@ -15,20 +17,40 @@ import torch
 from ..lowering.reference import INT2_CODES_PER_WORD
 from ..runtime.caches import Spec
 from . import OPS, Method, Selection, register
+from .hash import lsh_notice, query_logits, signature_cache, signature_kind, write_signatures
 
 SCALE_DTYPE = torch.float16  # INT2 scale/zero storage: 11 mantissa bits keep the round trip tight
 LAYER_ROLES = ("dense", "proposal", "refined")
 
 
 class Prism(Method):
-    description = "INT2 proposal layers build a candidate pool that refined layers re-score (Prism)"
-    name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G> (e.g. prism-g4, prism-g9)"
+    description = ("proposal layers score every key (INT2 copies, or signatures with proposal='hash') and build a "
+                   "candidate pool that refined layers re-score (Prism)")
+    name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G>[-hash] (e.g. prism-g4, prism-g9, prism-g4-hash)"
     explicit_roles = True
+    proposals = ("int2", "hash")
     refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
     search = False  # calibration: both paths everywhere, a device flag per layer picks
 
+    def parse(self, text):
+        fields = super().parse(text.removesuffix("-hash"))
+        return None if fields is None else {**fields, **({"proposal": "hash"} if text.endswith("-hash") else {})}
+
     def plan_name(self, plan):
-        return f"{self.name}-g{plan.group}" + ("-calibrated" if plan.roles else "")
+        return (f"{self.name}-g{plan.group}" + ("-hash" if plan.proposal == "hash" else "")
+                + ("-calibrated" if plan.roles else ""))
+
+    def uses_encoders(self, plan):
+        return plan.proposal == "hash"
+
+    def describe(self, state):
+        p = state.plan
+        if p.proposal != "hash":
+            return f"{p.name} (INT2 proposals)"
+        return f"{p.name} (proposals by {signature_kind(state)} {p.bits}-bit signatures)"
+
+    def notices(self, state):
+        return lsh_notice(state, state.plan.name) if state.plan.proposal == "hash" else {}
 
     def validate(self, plan):
         if plan.group < 1:
@@ -84,7 +106,7 @@ class Prism(Method):
 
     def check(self, info, plan):
         D = info.head_dim
-        if D is not None:
+        if D is not None and plan.proposal == "int2":
             problem = self._int2_problem(D, plan)
             if problem:
                 raise ValueError(f"sparse_fx: {problem}")
@@ -99,19 +121,24 @@ class Prism(Method):
             return f"int2_group={plan.int2_group} does not divide head dim {D}; valid: {valid}"
         return None
 
-    # ---------------------------------------------------------------- side cache: INT2 keys
+    # ---------------------------------------------------------------- side cache: INT2 keys or signatures
     def side_cache(self, role, kv, plan):
         if role not in ("proposal", "search"):
             return {}
+        if plan.proposal == "hash":
+            return signature_cache(plan)
         M = kv.head_dim // plan.int2_group
         return {"codes": Spec((kv.head_dim // INT2_CODES_PER_WORD,), torch.int32),
                 "scale": Spec((M,), SCALE_DTYPE), "zero": Spec((M,), SCALE_DTYPE)}
 
     def write(self, emit, state, layer, kv, side, new_keys, pos):
-        emit.call(OPS.int2_write.default, side["codes"], side["scale"], side["zero"], new_keys, pos)
+        if state.plan.proposal == "hash":
+            write_signatures(emit, state, layer, kv, side, new_keys, pos)
+        else:
+            emit.call(OPS.int2_write.default, side["codes"], side["scale"], side["zero"], new_keys, pos)
 
     def site_problem(self, role, kv, plan):
-        return self._int2_problem(kv.head_dim, plan) if role in ("proposal", "search") else None
+        return self._int2_problem(kv.head_dim, plan) if role in ("proposal", "search") and plan.proposal == "int2" else None
 
     # ---------------------------------------------------------------- decode
     def select(self, emit, state, site):
@@ -140,12 +167,23 @@ class Prism(Method):
         return Selection(idx, note=f", pool {p.pool}", pool=pool)
 
     def _propose(self, emit, state, site):
-        """INT2 scores over the filled cache -> (pool of the best `plan.pool`, its best `budget`)."""
+        """Scores over the filled cache -> (pool of the best `plan.pool`, its best `budget`): INT2
+        keys scored against the query, or signatures by Hamming similarity (the scan fused into
+        the pool's selection, then the pool's own scores for the layer's budget)."""
         p = state.plan
         side = site.side
+        window = (slice(None), slice(None), slice(p.window, None))
+        if p.proposal == "hash":
+            q_logits = query_logits(emit, state, site)
+            ranked = emit.call(OPS.hash_select.default, q_logits, side["signatures"], site.pos, p.pool, p.sink,
+                               p.local, site.mask, site.start)
+            pool = emit.call(operator.getitem, ranked, window)
+            q_sig = emit.call(OPS.pack_signs.default, q_logits)
+            at_pool = emit.call(OPS.hamming_scores.default, q_sig, emit.call(_rows_at, side["signatures"], pool))
+            return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
         scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
         ranked = self.topk(emit, state, site, scores, p.pool)
-        pool = emit.call(operator.getitem, ranked, (slice(None), slice(None), slice(p.window, None)))
+        pool = emit.call(operator.getitem, ranked, window)
         at_pool = emit.call(_scores_at, scores, pool)
         return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
 
@@ -161,6 +199,12 @@ class Static(Prism):
     name, name_forms = "static", "static-g<G> (e.g. static-g4)"
     description = "INT2 proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
     refine = False
+
+
+def _rows_at(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """cache [B,Hkv,L,W] rows at positions [B,Hkv,N] -> [B,Hkv,N,W] (-1 reads slot 0; the select ignores it)."""
+    idx = positions.clamp(min=0).long()[..., None].expand(-1, -1, -1, cache.shape[-1])
+    return torch.gather(cache, 2, idx)
 
 
 def _scores_at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
