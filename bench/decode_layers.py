@@ -58,11 +58,15 @@ class Layers:
 def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, head_dim: int) -> float:
     """Bytes one sparse layer's decode step must read at the least (prism-g4: the average over its
     group of one proposal and three refined layers): what its scores read — 32-bit signatures
-    (hash), INT2 codes with fp16 scale and zero per 32 channels (a proposal), the pool's K rows (a
-    refined layer) — and the `kept` selected K/V rows. rows: batch x KV heads."""
+    (hash, a prism-g4-hash proposal), INT2 codes with fp16 scale and zero per 32 channels (a prism-g4
+    proposal), the pool's K rows (a refined layer) — and the `kept` selected K/V rows. rows: batch x
+    KV heads."""
     gathered = rows * kept * 2 * 2 * head_dim
     if plan == "hash":
         return rows * filled * 4 + gathered
-    proposal = rows * filled * (head_dim // 4 + 4 * (head_dim // 32)) + gathered
+    if plan == "prism-g4-hash":  # signature proposals: 4 bytes a key scanned
+        proposal = rows * filled * 4 + gathered
+    else:
+        proposal = rows * filled * (head_dim // 4 + 4 * (head_dim // 32)) + gathered
     refined = rows * pool * 2 * head_dim + gathered
     return (proposal + 3 * refined) / 4

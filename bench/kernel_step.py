@@ -7,6 +7,8 @@ Each plan's step is called through the ops the compiled graph runs (torch.ops.sp
   prism-g4  a group of 4 layers: a proposal layer (int2_scores -> select the pool of rho * budget
             -> its best budget -> attention) and three refined layers (mass_scores over the pool ->
             select -> attention); reported per layer, as the group's average
+  prism-g4-hash  the same group with a signature proposal (hash_select of the pool -> Hamming
+            scores of the pool -> its best budget)
 against dense decode attention over the whole cache (SDPA with enable_gqa, flash, unmasked: the
 best dense). bf16, Hq=32, Hkv=8, D=128 (Llama-3.1-8B), sink 128 + local 128 + budget.
 
@@ -82,14 +84,21 @@ class Steps:
             out.append(OPS.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx, None, st.mask))
         return out
 
-    def prism(self):
+    def prism(self, proposal: str = "int2"):
         """One group: layer 0 proposes, layers 1..3 refine (their K/V: layer j % NL)."""
         st, a = self.st, self.a
-        codes, scale, zero = st.int2[0]
-        scores = OPS.int2_scores(st.q[0], codes, scale, zero, st.pos)
-        ranked = OPS.select_topk(scores, st.pos, self.pool, a.sink, a.local, st.mask, None, None)
-        pool = ranked[:, :, self.win:]
-        at_pool = torch.gather(scores, 2, pool.clamp(min=0).long())
+        if proposal == "hash":
+            q_logits = (st.q[0] @ st.proj)[:, :, 0]
+            ranked = OPS.hash_select(q_logits, st.sig[0], st.pos, self.pool, a.sink, a.local, st.mask, None)
+            pool = ranked[:, :, self.win:]
+            rows = torch.gather(st.sig[0], 2, pool.clamp(min=0).long()[..., None].expand(-1, -1, -1, st.sig[0].shape[-1]))
+            at_pool = OPS.hamming_scores(OPS.pack_signs(q_logits), rows)
+        else:
+            codes, scale, zero = st.int2[0]
+            scores = OPS.int2_scores(st.q[0], codes, scale, zero, st.pos)
+            ranked = OPS.select_topk(scores, st.pos, self.pool, a.sink, a.local, st.mask, None, None)
+            pool = ranked[:, :, self.win:]
+            at_pool = torch.gather(scores, 2, pool.clamp(min=0).long())
         idx = [OPS.select_topk(at_pool, st.pos, a.budget, a.sink, a.local, st.mask, pool, None)]
         for j in (1, 2, 3):
             i = j % st.nl
@@ -97,6 +106,16 @@ class Steps:
             idx.append(OPS.select_topk(mass, st.pos, a.budget, a.sink, a.local, st.mask, pool, None))
         return [OPS.sparse_decode_attention(st.q[j % st.nl], st.k[j % st.nl], st.v[j % st.nl], x, None, st.mask)
                 for j, x in enumerate(idx)]
+
+    def prism_hash(self):
+        return self.prism("hash")
+
+    def plans(self):
+        """(plan, its step, the layers one call covers)."""
+        return (("hash", self.hash, self.st.nl), ("prism-g4", self.prism, 4), ("prism-g4-hash", self.prism_hash, 4))
+
+
+PLANS = ("hash", "prism-g4", "prism-g4-hash")
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -117,6 +136,8 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_mass_normalise_kernel": R * P * (4 * HQ // HKV + 4),
         "_sparse_attn_kernel": R * K * (2 * 2 * D + 4),  # gathered K and V rows, indices
         "_combine_kernel": B * HQ * D * 2,
+        "_pack_kernel": B * HQ * 32 * 4,  # the query's signature logits
+        "_hamming_kernel": R * P * (4 + 4 + 1),  # pool positions, signatures gathered, scores
     }
 
 
@@ -133,7 +154,7 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
     kv = 2 * B * HKV * L * D * 2
     row["dense_gbps"] = kv / row["dense_ms"] / 1e6
     per = kernel_bytes(B, L, filled, a)
-    for plan, fn, layers in (("hash", steps.hash, st.nl), ("prism-g4", steps.prism, 4)):
+    for plan, fn, layers in steps.plans():
         ms = benchlib.time_graph(fn) / layers
         kernels = []
         for name, (us, launches) in sorted(benchlib.kernel_times(fn).items(), key=lambda kv_: -kv_[1][0]):
@@ -158,7 +179,7 @@ def median_rows(runs: list[dict]) -> dict:
     """The median over repeated measurements of one shape (per plan and per kernel)."""
     out = dict(runs[0])
     out["dense_ms"] = statistics.median(r["dense_ms"] for r in runs)
-    for plan in ("hash", "prism-g4"):
+    for plan in PLANS:
         out[plan] = dict(runs[0][plan])
         out[plan]["ms"] = statistics.median(r[plan]["ms"] for r in runs)
         out[plan]["speedup"] = out["dense_ms"] / out[plan]["ms"]
@@ -185,7 +206,8 @@ def run_gpu(a) -> dict:
         res["rows"].append(row)
         print(f"L={L:>7} filled={filled:>7} B={B:>2}  dense {row['dense_ms'] * 1e3:7.1f} us  "
               f"hash {row['hash']['ms'] * 1e3:7.1f} us (x{row['hash']['speedup']:.2f})  "
-              f"prism-g4 {row['prism-g4']['ms'] * 1e3:7.1f} us (x{row['prism-g4']['speedup']:.2f})", flush=True)
+              f"prism-g4 {row['prism-g4']['ms'] * 1e3:7.1f} us (x{row['prism-g4']['speedup']:.2f})  "
+              f"prism-g4-hash {row['prism-g4-hash']['ms'] * 1e3:7.1f} us (x{row['prism-g4-hash']['speedup']:.2f})", flush=True)
     res["wall_s"] = time.perf_counter() - T0
     return res
 
@@ -194,17 +216,17 @@ def markdown(res: dict) -> str:
     lines = [f"Kernel roofline, {res['meta']['gpu']} (copy {res['copy_gbps']:.0f} GB/s), bf16, Hq={HQ}, Hkv={HKV}, "
              f"D={D}, budget {res['config']['budget']} + {res['config']['sink']} + {res['config']['local']}; "
              f"per layer (prism-g4: group average); `{res['meta']['command']}`", "",
-             "| context | filled | batch | dense | hash | x | prism-g4 | x | hash floor x | prism floor x | launches h/p |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| context | filled | batch | dense | " + " | ".join(f"{p} | x | floor x" for p in PLANS) + " | launches |",
+             "|---|---|---|---|" + "---|---|---|" * len(PLANS) + "---|"]
     for r in res["rows"]:
-        h, p = r["hash"], r["prism-g4"]
-        lines.append(f"| {r['context']} | {r['filled']} | {r['batch']} | {r['dense_ms'] * 1e3:.1f} us | {h['ms'] * 1e3:.1f} us | "
-                     f"{h['speedup']:.2f} | {p['ms'] * 1e3:.1f} us | {p['speedup']:.2f} | {h['ceiling_speedup']:.1f} | "
-                     f"{p['ceiling_speedup']:.1f} | {h['launches_per_layer']:.1f} / {p['launches_per_layer']:.1f} |")
+        cells = [f"{r[p]['ms'] * 1e3:.1f} us | {r[p]['speedup']:.2f} | {r[p]['ceiling_speedup']:.1f}" for p in PLANS if p in r]
+        launches = " / ".join(f"{r[p]['launches_per_layer']:.1f}" for p in PLANS if p in r)
+        lines.append(f"| {r['context']} | {r['filled']} | {r['batch']} | {r['dense_ms'] * 1e3:.1f} us | "
+                     + " | ".join(cells) + f" | {launches} |")
     lines += ["", "Per kernel (us per layer, bytes it must move, achieved GB/s, share of the copy bandwidth):", "",
               "| context | batch | plan | kernel | launches | us | MB | GB/s | of copy |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        for plan in ("hash", "prism-g4"):
+        for plan in (p for p in PLANS if p in r):
             for k in r[plan]["kernels"]:
                 mb = f"{k['bytes'] / 1e6:.1f}" if "bytes" in k else "-"
                 gb = f"{k['gbps']:.0f}" if "gbps" in k else "-"
@@ -217,7 +239,7 @@ def markdown(res: dict) -> str:
 def plot(res: dict, path) -> None:
     plt = benchlib.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for plan, style in (("hash", "-"), ("prism-g4", "--")):
+    for plan, style in zip(PLANS, ("-", "--", ":")):
         for B in sorted({r["batch"] for r in res["rows"]}):
             pts = sorted((r["context"], r[plan]["speedup"]) for r in res["rows"] if r["batch"] == B and r["filled"] == r["context"])
             if pts:
@@ -234,7 +256,7 @@ def plot(res: dict, path) -> None:
 
 # ------------------------------------------------------------------------------------ smoke
 def run_smoke(a) -> None:
-    """Both steps through the kernel launchers on CPU (interpreter), against the reference."""
+    """Every plan's step through the kernel launchers on CPU (interpreter), against the reference."""
     a.budget, a.sink, a.local = 16, 4, 4
     global HQ, HKV, D
     HQ, HKV, D = 4, 2, 64
@@ -242,14 +264,14 @@ def run_smoke(a) -> None:
     steps = Steps(st, a)
     from sparse_fx.lowering import kernels as K
 
-    for name, fn in (("hash", steps.hash), ("prism-g4", steps.prism)):
+    for name, fn, _ in steps.plans():
         outs = fn()
         assert all(torch.isfinite(o).all() for o in outs), name
     q_logits = (st.q[0] @ st.proj)[:, :, 0]
     got = K.hash_select(q_logits, st.sig[0], st.pos, a.budget, a.sink, a.local, st.mask)
     want = ref.hash_select(q_logits, st.sig[0], st.pos, a.budget, a.sink, a.local, st.mask)
     assert torch.equal(got, want), "hash_select kernel differs from the reference"
-    print("smoke ok: both steps ran through the kernels; hash_select equals the reference (nothing written)")
+    print("smoke ok: every plan's step ran through the kernels; hash_select equals the reference (nothing written)")
 
 
 def main() -> None:
