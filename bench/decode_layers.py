@@ -4,6 +4,8 @@ dense SDPA step they are measured against."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -56,17 +58,19 @@ class Layers:
 
 
 def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, head_dim: int) -> float:
-    """Bytes one sparse layer's decode step must read at the least (prism-g4: the average over its
-    group of one proposal and three refined layers): what its scores read — 32-bit signatures
+    """Bytes one sparse layer's decode step must read at the least (prism-g<G>: the average over its
+    group of one proposal and G - 1 refined layers): what its scores read — 32-bit signatures
     (hash, a prism-g4-hash proposal), INT2 codes with fp16 scale and zero per 32 channels (a prism-g4
     proposal), the pool's K rows (a refined layer) — and the `kept` selected K/V rows. rows: batch x
     KV heads."""
     gathered = rows * kept * 2 * 2 * head_dim
     if plan == "hash":
         return rows * filled * 4 + gathered
-    if plan == "prism-g4-hash":  # signature proposals: 4 bytes a key scanned
-        proposal = rows * filled * 4 + gathered
-    else:
-        proposal = rows * filled * (head_dim // 4 + 4 * (head_dim // 32)) + gathered
+    m = re.fullmatch(r"prism-g(\d+)(-hash)?", plan)
+    if m is None:
+        raise ValueError(f"step_floor_bytes: no bytes model for plan {plan!r} (hash, prism-g<G>[-hash])")
+    group = int(m.group(1))
+    scanned = 4 if m.group(2) else head_dim // 4 + 4 * (head_dim // 32)  # signatures, or INT2 codes + scales
+    proposal = rows * filled * scanned + gathered
     refined = rows * pool * 2 * head_dim + gathered
-    return (proposal + 3 * refined) / 4
+    return (proposal + (group - 1) * refined) / group

@@ -137,7 +137,7 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_sparse_attn_kernel": R * K * (2 * 2 * D + 4),  # gathered K and V rows, indices
         "_combine_kernel": B * HQ * D * 2,
         "_pack_kernel": B * HQ * 32 * 4,  # the query's signature logits
-        "_hamming_kernel": R * P * (4 + 4 + 1),  # pool positions, signatures gathered, scores
+        "_hamming_kernel": R * P * (4 + 1),  # the pool's gathered signatures, scores
     }
 
 

@@ -41,6 +41,8 @@ class Shard:
 
     def part(self, total: int) -> slice:
         """This rank's heads of `total` (all of them when not sharded)."""
+        if total % self.size:
+            raise ValueError(f"sparse_fx: {total} heads do not split over {self.size} tensor-parallel ranks")
         n = total // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
 
@@ -48,8 +50,10 @@ class Shard:
         """'rank r of n, KV heads a-b' (None when not sharded)."""
         if self.size == 1:
             return None
-        heads = f", KV heads {self.part(kv_heads).start}-{self.part(kv_heads).stop - 1}" if kv_heads else ""
-        return f"rank {self.rank} of {self.size}{heads}"
+        if not kv_heads:
+            return f"rank {self.rank} of {self.size}"
+        heads = self.part(kv_heads)
+        return f"rank {self.rank} of {self.size}, KV heads {heads.start}-{heads.stop - 1}"
 
 
 @dataclass(frozen=True)

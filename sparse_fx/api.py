@@ -34,9 +34,11 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
 ) -> torch.nn.Module:
     """Make `model`'s decode attention sparse; returns the same model, its forward compiled.
 
-    plan: a name (dense, oracle, hash, prism-g<G>, static-g<G>), a `Plan` or a plan JSON file;
-    plan_options override its fields (budget, sink, local, rho, int2_group, bits, ...).
-    encoders: trained signature encoders (object or directory) for the hash plan; LSH without them.
+    plan: a name (dense, oracle, hash, prism-g<G>[-hash], static-g<G>[-hash]), a `Plan` or a plan
+    JSON file; plan_options override its fields (budget, sink, local, rho, int2_group, proposal,
+    bits, ...).
+    encoders: trained signature encoders (object or directory) for plans that score with signatures
+    (hash, prism-g<G>-hash); LSH without them.
     backend: "inductor" (default) compiles the rewritten graph; "eager" runs it as is (debugging,
     and fast CPU tests). mode: Inductor mode; default "reduce-overhead" (CUDA graphs) on CUDA.
     strict: raise instead of leaving any attention the plan wants sparse dense.
@@ -102,6 +104,9 @@ def explain(model: torch.nn.Module) -> Report:
     state = sparse_state(model)
     decodes = [r for r in state.reports if r.decode]
     traced = not decodes
+    if traced and state.info.shard.size > 1:
+        raise ValueError("sparse_fx: explain() before the first decode step traces one through the model, which under "
+                         "tensor parallelism every rank must run together; call it after a decode step (e.g. generate)")
     report = _trace_decode(model, state) if traced else decodes[-1]
     rows = list(report.rows)
     seen = {r.layer for r in rows}

@@ -1,7 +1,7 @@
 """`calibrate`: choose Prism's proposal layers by greedy search on calibration text (training-free).
 
 The model is compiled once in search mode: every sparse layer computes both its proposal path
-(INT2 scores over the cache, a pool of rho*budget candidates) and its refined path (re-score the
+(INT2 or signature scores over the cache, a pool of rho*budget candidates) and its refined path (re-score the
 carried pool), and a per-layer flag in a device buffer picks one, so trying a role assignment is
 writing a tensor, not recompiling. The objective is the token-level cross-entropy of sparse decode
 steps under teacher forcing (dense prefill, sparse decode), as in the paper. Greedy: layer 0

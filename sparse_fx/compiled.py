@@ -13,7 +13,7 @@ from .measure import Measurements
 from .methods import Method
 from .model_info import ModelInfo
 from .plan import Plan
-from .runtime.caches import KVShape, SideCaches
+from .runtime.caches import KVShape, Shard, SideCaches
 from .runtime.encoders import Encoders, LayerEncoders
 
 
@@ -74,9 +74,15 @@ class CompiledState:
         return f"{p.sink}+{p.local}+{p.budget}"
 
     def layer_encoders(self, layer: int, kv: KVShape, q_heads: int | None = None) -> LayerEncoders:
-        """A layer's signature encoders for this rank's heads (`kv` and `q_heads` count those; the
-        key side does not depend on `q_heads`)."""
-        shard = self.info.shard
+        """A layer's signature encoders for the heads this rank runs (`kv` and `q_heads` count those;
+        the key side does not depend on `q_heads`): its shard of them, or all of them in a layer
+        that a tensor-parallel plan runs whole on every rank (e.g. `colwise_gather_output`)."""
+        shard, total = self.info.shard, self.info.kv_heads or kv.kv_heads
+        if kv.kv_heads == total:
+            shard = Shard()
+        elif kv.kv_heads * shard.size != total:
+            raise ValueError(f"sparse_fx: layer {layer} runs {kv.kv_heads} of the model's {total} KV heads on this rank, "
+                             f"neither all nor a 1/{shard.size} share; its signature encoders cannot be split")
         q_heads = q_heads or (self.info.q_heads // shard.size if self.info.q_heads else kv.kv_heads)
         return self.encoders.layer(layer, q_heads, kv.kv_heads, kv.head_dim, kv.device, shard)
 

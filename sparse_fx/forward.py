@@ -166,8 +166,9 @@ def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:
 
     Left to allocate lazily, it would do so inside the compiled graph, where Hugging Face cannot
     mark its tensors as static addresses; CUDA graphs then skip the step ("mutated inputs") and the
-    next launch fails on the unmarked tensors. Only on CUDA, where CUDA graphs run. Sized per
-    rank under tensor parallelism, as Hugging Face's own early initialisation is.
+    next launch fails on the unmarked tensors. Only on CUDA, where CUDA graphs run. Sized as
+    Hugging Face's own early initialisation (`_get_static_cache_init_shape`: per rank under tensor
+    parallelism, and not at all when layers sit on several devices).
     """
     layers = static_layers(cache)
     if not layers or not hasattr(cache, "early_initialization") or not isinstance(ids, torch.Tensor):
@@ -177,8 +178,12 @@ def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:
     param = next(model.parameters(), None)
     if param is None or not param.is_cuda or info.mla:
         return  # (MLA: keys and values differ in size; Hugging Face does not initialise these early either)
+    shape = getattr(model, "_get_static_cache_init_shape", None)
+    shape = shape() if shape is not None else (info.kv_heads // info.shard.size, info.head_dim)
+    if shape is None:
+        return  # layers on several devices, heads that do not split over the ranks: lazily, in the graph
     dtype = getattr(model, "dtype", param.dtype)  # what generate() initialises with (a first parameter may be fp32)
-    cache.early_initialization(ids.shape[0], info.kv_heads // info.shard.size, info.head_dim, dtype, param.device)
+    cache.early_initialization(ids.shape[0], *shape, dtype, param.device)
 
 
 def cache_bucket(n: int) -> int:

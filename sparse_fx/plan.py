@@ -90,8 +90,8 @@ class Plan:
             _fail(f"proposal={self.proposal!r} is not one {self.method!r} takes; valid: {', '.join(handler.proposals)} "
                   "(how proposal layers score every key: prism takes int2 or hash)")
         if self.encoders is not None and not handler.uses_encoders(self):
-            _fail(f"encoders apply to plans that score with signatures (hash, prism with proposal='hash'), "
-                  f"not {self.name!r}")
+            which = f"{self.method!r}" + (f" with proposal={self.proposal!r}" if len(handler.proposals) > 1 else "")
+            _fail(f"encoders apply to plans that score with signatures (hash, prism with proposal='hash'), not {which}")
         if self.roles is not None and not handler.explicit_roles:
             _fail(f"explicit roles need a plan with proposal and refined layers, not {self.method!r}")
         handler.validate(self)

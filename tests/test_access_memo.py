@@ -19,7 +19,7 @@ def counting(result_of):
 
 def test_same_kinds_of_arguments_are_analysed_once_and_results_are_not_shared():
     analysis, calls = counting(lambda k, kw: [name for name, v in kw.items() if isinstance(v, torch.Tensor)])
-    memo = access_memo.memoised(analysis)
+    memo = access_memo.memoised(analysis, only=lambda kernel: True)
     kernel = object()
     with FakeTensorMode():
         a = dict(x=torch.empty(3, 4), out=torch.empty(7, dtype=torch.int32), n=5, BLOCK=64)
@@ -33,7 +33,7 @@ def test_same_kinds_of_arguments_are_analysed_once_and_results_are_not_shared():
 
 def test_anything_that_could_change_the_analysis_misses():
     analysis, calls = counting(lambda k, kw: sorted(kw))
-    memo = access_memo.memoised(analysis)
+    memo = access_memo.memoised(analysis, only=lambda kernel: True)
     kernel, other = object(), object()
     import triton.language as tl
 
@@ -54,7 +54,7 @@ def test_anything_that_could_change_the_analysis_misses():
 
 def test_unknown_argument_kinds_and_descriptor_metadata_are_never_memoised():
     analysis, calls = counting(lambda k, kw: [])
-    memo = access_memo.memoised(analysis)
+    memo = access_memo.memoised(analysis, only=lambda kernel: True)
     kernel = object()
     for _ in range(2):
         memo(kernel, dict(x=torch.empty(2), obj=object()), {})
@@ -70,3 +70,21 @@ def test_installed_over_torchs_analysis_by_importing_the_kernels():
     assert all(hasattr(getattr(triton_kernel_wrap, n), "sparse_fx_memo") for n in names)
     access_memo.install()  # a second install wraps nothing twice
     assert all(not hasattr(getattr(triton_kernel_wrap, n).__wrapped__, "sparse_fx_memo") for n in names)
+
+
+def test_only_our_kernels_are_memoised():
+    import triton
+
+    from sparse_fx.lowering.kernels.select import _select_kernel
+
+    @triton.jit
+    def users_kernel(x):
+        pass
+
+    assert access_memo.ours(_select_kernel) and not access_memo.ours(users_kernel) and not access_memo.ours(object())
+    analysis, calls = counting(lambda k, kw: [])
+    memo = access_memo.memoised(analysis)
+    for _ in range(2):
+        memo(users_kernel, dict(x=torch.empty(2)), {})
+        memo(_select_kernel, dict(x=torch.empty(2)), {})
+    assert [k for k, _ in calls] == [users_kernel, _select_kernel, users_kernel] and memo.sparse_fx_hits == 1

@@ -62,7 +62,7 @@ def test_every_command_answers_help():
     assert not failed, failed
 
 
-def test_kernel_step_smoke_runs_both_steps_through_the_kernels():
+def test_kernel_step_smoke_runs_every_plans_step_through_the_kernels():
     """The kernel benches' shared inputs (bench/decode_layers.py) and both plans' steps, on tiny
     shapes under the Triton interpreter: the GPU run is the same code at full size."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -59,6 +59,18 @@ def test_twenty_decode_steps_no_recompile_and_side_caches_match_recomputation(pl
     assert_side_caches_match_the_keys(model, cache, 40)
 
 
+def test_prism_g1_with_signature_proposals_is_hash():
+    """Every layer proposes (g1), so each keeps the best budget of its best pool by the same
+    Hamming scores and tie rule: exactly hash's selection, through the whole proposal path."""
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for plan in ("hash", "prism-g1-hash"):
+        model = sparse_fx.compile(tiny_model("llama", layers=3), plan, backend="eager", **PLAN_OPTIONS)
+        out[plan] = step_through(model, ids, 30, StaticCache(config=model.config, max_cache_len=48))
+    for a, b in zip(out["hash"], out["prism-g1-hash"]):
+        assert torch.equal(a, b)
+
+
 def test_prefill_logits_are_the_dense_models():
     ids = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(3))
     dense = tiny_model("llama", layers=3)

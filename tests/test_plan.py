@@ -95,7 +95,7 @@ def test_hash_widths_and_encoder_paths():
     assert p.name == "hash-learned" and p.encoders == "enc/"
     with pytest.raises(ValueError, match="multiple of 32"):
         Plan.parse("hash-b48")
-    with pytest.raises(ValueError, match=r"encoders apply to plans that score with signatures .*not 'prism-g4'"):
+    with pytest.raises(ValueError, match=r"encoders apply to plans that score with signatures .*not 'prism' with proposal='int2'"):
         Plan.parse("prism-g4", encoders="enc/")
 
 
@@ -104,6 +104,6 @@ def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
     assert by_name == by_option and by_name.proposal == "hash" and by_name.name == "prism-g4-hash"
     assert Plan.parse("prism-g4").proposal == "int2"
     p = Plan.parse("prism-g2-hash", encoders="enc/", roles=("proposal", "refined"))
-    assert p.name == "prism-g2-hash-calibrated"
+    assert p.name == "prism-g2-hash-learned-calibrated"
     p.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == p

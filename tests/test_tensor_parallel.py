@@ -42,6 +42,25 @@ def test_ranks_get_their_heads_of_trained_encoders():
     torch.testing.assert_close(rank1.key(x), whole[:, 2:], rtol=0, atol=0)
 
 
+def test_a_layer_run_whole_on_every_rank_gets_all_its_heads_encoders():
+    """Tensor-parallel plans that gather a layer's attention output (`colwise_gather_output`) run
+    all its heads on every rank: its encoders are the whole layer's, not a rank's share."""
+    from sparse_fx import methods
+    from sparse_fx.compiled import CompiledState
+    from sparse_fx.model_info import ModelInfo
+    from sparse_fx.plan import Plan
+    from sparse_fx.runtime.caches import KVShape
+
+    info = ModelInfo("llama", 1, q_heads=8, kv_heads=4, head_dim=16, shard=Shard(1, 2))
+    state = CompiledState(plan=Plan.parse("hash"), info=info, method=methods.get("hash"), encoders=Encoders(32, 0))
+    whole = Encoders(32, 0).layer(0, 8, 4, 16, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert torch.equal(state.layer_encoders(0, KVShape(1, 4, 8, 16, cpu)).key.weights[0], whole.key.weights[0])
+    assert torch.equal(state.layer_encoders(0, KVShape(1, 2, 8, 16, cpu)).key.weights[0], whole.key.weights[0][2:])
+    with pytest.raises(ValueError, match="runs 3 of the model's 4 KV heads"):
+        state.layer_encoders(0, KVShape(1, 3, 8, 16, cpu))
+
+
 def test_sharded_decode_over_two_ranks(tmp_path):
     """Two CPU processes (gloo) run tests/tp_worker.py: every plan decodes under tp_plan="auto", a
     covering budget gives the sharded dense tokens, a small one the unsharded model's sparse tokens,
@@ -59,11 +78,13 @@ def test_sharded_decode_over_two_ranks(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, facts in enumerate(ranks):
-        assert set(facts["plans"]) == {"oracle", "hash", "prism-g2", "prism-g2-hash", "hash (trained)"}
+        assert set(facts["plans"]) == {"oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2", "hash (trained)",
+                                       "prism-g2-hash (trained)"}
         for name, p in facts["plans"].items():
             assert p["sparse_layers"] == [0, 1] and p["decode_graphs"] == 1, (r, name, p)
-            assert p["side_cache_heads"] in ([], [1]), f"{name}: side caches of {p['side_cache_heads']} heads on a rank of 1"
-            assert any(f"rank {r} of 2, KV heads {r}-{r}" in line for line in p["explain"]), p["explain"]
+            want = [] if name == "oracle" else [2]
+            assert p["side_cache_heads"] == want, f"{name}: side caches of {p['side_cache_heads']} heads, this rank runs 2"
+            assert any(f"rank {r} of 2, KV heads {2 * r}-{2 * r + 1}" in line for line in p["explain"]), p["explain"]
     for name in ranks[0]["plans"]:  # the ranks agree (the all-reduce gives every rank the whole logits)
         assert ranks[0]["plans"][name]["tokens"] == ranks[1]["plans"][name]["tokens"], name
     assert any(p["tokens"] != p["dense_tokens"] for p in ranks[0]["plans"].values()), "the small budget changed nothing"

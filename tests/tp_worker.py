@@ -24,7 +24,7 @@ from sparse_fx.model_info import ModelInfo
 from sparse_fx.runtime.caches import Shard
 from sparse_fx.runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders
 
-PLANS = ("oracle", "hash", "prism-g2", "prism-g2-hash")
+PLANS = ("oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2")
 SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8, backend="eager")
 COVERING = dict(budget=128, sink=2, local=3, rho=2.0, int2_group=8, backend="eager")
 
@@ -60,8 +60,8 @@ def main(ckpt: str, out: str) -> None:
     torch.manual_seed(0)
     if rank == 0:
         LlamaForCausalLM(LlamaConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, initializer_range=0.2,
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, initializer_range=0.2,
             bos_token_id=1, eos_token_id=None, pad_token_id=0)).save_pretrained(ckpt)
     dist.barrier()
     warnings.simplefilter("ignore")
@@ -70,10 +70,16 @@ def main(ckpt: str, out: str) -> None:
     dense_tokens, _ = generate(load(ckpt, sharded=True), ids)
     facts = {"rank": rank, "plans": {}}
     encoders = trained_encoders(whole)
-    for plan, extra in [(p, {}) for p in PLANS] + [("hash", {"encoders": encoders})]:
+    runs = [(p, {}) for p in PLANS] + [(p, {"encoders": encoders}) for p in ("hash", "prism-g2-hash")]
+    for plan, extra in runs:
         name = plan + (" (trained)" if extra else "")
         model = sparse_fx.compile(load(ckpt, sharded=True), plan, **COVERING, **extra)
         assert model._tp_size == 2 and ModelInfo.of(model).shard == Shard(rank, 2)
+        try:
+            sparse_fx.explain(model)  # before any decode it would trace one: a collective only this rank runs
+            raise AssertionError("explain() before a decode step under tensor parallelism must refuse")
+        except ValueError as e:
+            assert "after a decode step" in str(e)
         covered, _ = generate(model, ids)
         assert torch.equal(covered, dense_tokens), f"{name}: a covering budget decodes other tokens than dense"
 

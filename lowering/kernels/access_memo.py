@@ -4,10 +4,11 @@ To functionalise and schedule a user-defined Triton kernel, torch lowers the ker
 walks it, once when functionalising and once when building Inductor's IR, at every call site. A
 32-layer decode graph calls each of our kernels once a layer, so the same analysis runs ~400 times
 on identical inputs. Its result depends only on the kernel and its arguments' kinds: each tensor's
-dtype (tensors are replaced by 2-element stand-ins), each symbolic size (replaced by 2) and each
-other argument's value. `install()` memoises it on exactly that key; calls with anything else
+class and dtype (fake tensors and Inductor buffers are replaced by 2-element stand-ins), each
+symbolic size (replaced by 2) and each other argument's value. `install()` memoises it on exactly that key; calls with anything else
 (descriptor metadata, unknown argument kinds) go through unchanged. Pure memoisation of a
-deterministic function: results are the same, only computed once.
+deterministic function of those inputs: results are the same, only computed once. Only our own
+kernels (defined under `sparse_fx`) are memoised; any other kernel's analysis runs as before.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def argument_key(kernel, kwargs: dict, *rest):
         elif isinstance(v, _SCALARS):
             parts.append((name, type(v).__name__, v))
         elif type(v).__name__ == "constexpr" and isinstance(getattr(v, "value", None), _SCALARS):
-            parts.append((name, "constexpr", v.value))
+            parts.append((name, "constexpr", type(v.value).__name__, v.value))
         elif type(v).__module__.startswith("triton") and type(v).__name__ == "dtype":  # tl.bfloat16 and kin
             parts.append((name, "triton dtype", str(v)))
         else:
@@ -50,9 +51,17 @@ def argument_key(kernel, kwargs: dict, *rest):
     return (kernel, tuple(parts))
 
 
-def memoised(analysis):
-    """`analysis` with a memo keyed by `argument_key`; results are copied out, never shared.
-    `wrapper.sparse_fx_memo` holds the memo, `wrapper.sparse_fx_hits` counts the calls it answered."""
+def ours(kernel) -> bool:
+    """Whether a kernel (a JITFunction, or an Autotuner around one) is defined in sparse_fx."""
+    fn = getattr(kernel, "fn", None)
+    fn = getattr(fn, "fn", fn)  # Autotuner -> JITFunction -> the Python function
+    return str(getattr(fn, "__module__", "")).startswith("sparse_fx")
+
+
+def memoised(analysis, only=ours):
+    """`analysis` with a memo keyed by `argument_key` for the kernels `only` accepts; results are
+    copied out, never shared. `wrapper.sparse_fx_memo` holds the memo, `wrapper.sparse_fx_hits`
+    counts the calls it answered."""
     memo: dict = {}
 
     signature = inspect.signature(analysis)
@@ -60,9 +69,10 @@ def memoised(analysis):
     @functools.wraps(analysis)
     def wrapper(*args, **kw):
         try:
-            key = argument_key(*signature.bind(*args, **kw).arguments.values())
+            values = list(signature.bind(*args, **kw).arguments.values())
+            key = argument_key(*values) if only(values[0]) else None
             hash(key)
-        except TypeError:
+        except Exception:  # noqa: BLE001 - anything unexpected: torch's own path, unmemoised
             key = None
         if key is None:
             return analysis(*args, **kw)
@@ -84,9 +94,14 @@ def memoised(analysis):
 def install() -> None:
     """Wrap torch's kernel-access analysis (once per process; a torch without it is left alone)."""
     import importlib
+    import sys
 
     wrapped = {}
-    for where in ("torch._higher_order_ops.triton_kernel_wrap", "torch._inductor.ir"):  # the latter may bind it at import
+    # Inductor's IR may have bound the analysis at its import (some torch versions): patch it there if
+    # it is loaded; one imported later binds the patched name
+    for where in ("torch._higher_order_ops.triton_kernel_wrap", "torch._inductor.ir"):
+        if where != "torch._higher_order_ops.triton_kernel_wrap" and where not in sys.modules:
+            continue
         try:
             module = importlib.import_module(where)
         except ImportError:

@@ -38,7 +38,7 @@ class Prism(Method):
 
     def plan_name(self, plan):
         return (f"{self.name}-g{plan.group}" + ("-hash" if plan.proposal == "hash" else "")
-                + ("-calibrated" if plan.roles else ""))
+                + ("-learned" if plan.encoders else "") + ("-calibrated" if plan.roles else ""))
 
     def uses_encoders(self, plan):
         return plan.proposal == "hash"
@@ -196,8 +196,8 @@ class Prism(Method):
 
 
 class Static(Prism):
-    name, name_forms = "static", "static-g<G> (e.g. static-g4)"
-    description = "INT2 proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
+    name, name_forms = "static", "static-g<G>[-hash] (e.g. static-g4)"
+    description = "proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
     refine = False
 
 
