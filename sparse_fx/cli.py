@@ -41,6 +41,10 @@ def main(argv=None) -> None:
     cal.add_argument("--sink", type=int, default=64)
     cal.add_argument("--local", type=int, default=64)
     cal.add_argument("--rho", type=float, default=4.0)
+    cal.add_argument("--proposal", choices=("int2", "hash"), default="int2",
+                     help="how proposal layers score every key: INT2 keys, or 32-bit signatures")
+    cal.add_argument("--encoders", default=None,
+                     help="trained signature encoders (a train-signatures --out directory) for --proposal hash")
     cal.add_argument("--context", type=int, default=2048)
     cal.add_argument("--windows", type=int, default=4)
     cal.add_argument("--steps", type=int, default=16, help="teacher-forced sparse decode steps per window")
@@ -67,7 +71,8 @@ def main(argv=None) -> None:
         model, tok = load_model(args.model)
         plan = calibrate(model, tokenizer=tok, group=args.group, method=args.method, context=args.context,
                          windows=args.windows, steps=args.steps, budget=args.budget, sink=args.sink,
-                         local=args.local, rho=args.rho)
+                         local=args.local, rho=args.rho, proposal=args.proposal,
+                         **({"encoders": args.encoders} if args.encoders else {}))
         plan.save(args.out)
         print(f"{plan.note}\nroles: {' '.join(r[0].upper() for r in plan.roles)}\nsaved {args.out}")
     elif args.command == "explain":

@@ -77,4 +77,4 @@ def test_calibrate_rejects_bad_input(model):
 
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "sparse_fx", "calibrate", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "--group" in out.stdout
+    assert out.returncode == 0 and "--group" in out.stdout and "--proposal" in out.stdout and "--encoders" in out.stdout
