@@ -57,14 +57,14 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-def random_static_cache(model, batch: int, filled: int, room: int):
-    """A StaticCache of max length filled + room whose first `filled` slots hold random K/V."""
+def random_static_cache(model, batch: int, filled: int, room: int, device="cuda"):
+    """A StaticCache of max length filled + room whose first `filled` slots hold random K/V; sized
+    as Hugging Face sizes it (a tensor-parallel rank's heads only)."""
     from transformers import StaticCache
 
-    c = model.config
-    cache = StaticCache(config=c, max_cache_len=filled + room)
-    cache.early_initialization(batch, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, torch.bfloat16, "cuda")
-    g = torch.Generator("cuda").manual_seed(0)
+    cache = StaticCache(config=model.config, max_cache_len=filled + room)
+    cache.early_initialization(batch, *model._get_static_cache_init_shape(), torch.bfloat16, device)
+    g = torch.Generator(device).manual_seed(0)
     for layer in cache.layers:
         layer.keys[:, :, :filled].normal_(generator=g)
         layer.values[:, :, :filled].normal_(generator=g)

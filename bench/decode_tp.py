@@ -27,7 +27,7 @@ import torch.distributed as dist
 import sparse_fx
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
-from decode_speed import LLAMA_8B  # bench/decode_speed.py
+from decode_speed import LLAMA_8B, random_static_cache  # bench/decode_speed.py
 
 SHAPES = {
     "8b": LLAMA_8B,
@@ -44,22 +44,6 @@ def save_random_checkpoint(shape: str, layers: int, path: str, device: torch.dev
     config = LlamaConfig(**{**SHAPES[shape], "num_hidden_layers": layers})
     with torch.device(device):
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-
-
-def random_cache(model, batch: int, filled: int, room: int, device: torch.device):
-    """This rank's StaticCache (its KV heads only) with random keys and values in the first `filled` slots."""
-    from transformers import StaticCache
-
-    heads, head_dim = model._get_static_cache_init_shape()
-    cache = StaticCache(config=model.config, max_cache_len=filled + room)
-    cache.early_initialization(batch, heads, head_dim, torch.bfloat16, device)
-    g = torch.Generator(device).manual_seed(0)
-    for layer in cache.layers:
-        layer.keys[:, :, :filled].normal_(generator=g)
-        layer.values[:, :, :filled].normal_(generator=g)
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length.fill_(filled)
-    return cache
 
 
 def step_ms(forward, cache, batch: int, n: int, steps: int, device: torch.device) -> tuple[float, float]:
@@ -116,7 +100,7 @@ def main() -> None:
         n, batch = (int(x) for x in shape.split("x"))
         for method in args.methods.split(","):
             model.forward = original
-            cache = random_cache(model, batch, n, 64, device)
+            cache = random_static_cache(model, batch, n, 64, device)
             if method == "dense":
                 forward = torch.compile(original, mode="reduce-overhead", fullgraph=True) if cuda else original
             else:

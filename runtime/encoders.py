@@ -180,11 +180,11 @@ class Encoders:
         encoders of its heads in the unsharded model, so sharding changes no signature."""
         key = (layer, str(device), q_heads, shard)
         if key not in self._cache:
+            q_total, kv_total = q_heads * shard.size, kv_heads * shard.size
             if self.trained is not None:
                 enc = self.trained.layer(layer)
             else:
-                enc = lsh_layer(q_heads * shard.size, kv_heads * shard.size, head_dim, self.bits,
-                                seed=self.seed * 100003 + layer)
-            query, keys = enc.query.heads(shard.part(q_heads * shard.size)), enc.key.heads(shard.part(kv_heads * shard.size))
+                enc = lsh_layer(q_total, kv_total, head_dim, self.bits, seed=self.seed * 100003 + layer)
+            query, keys = enc.query.heads(shard.part(q_total)), enc.key.heads(shard.part(kv_total))
             self._cache[key] = LayerEncoders(query=query.to(device), key=keys.to(device))
         return self._cache[key]

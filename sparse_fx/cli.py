@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from . import methods
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sparse_fx", description="Sparse decode attention for Hugging Face decoders.")
@@ -41,7 +43,7 @@ def main(argv=None) -> None:
     cal.add_argument("--sink", type=int, default=64)
     cal.add_argument("--local", type=int, default=64)
     cal.add_argument("--rho", type=float, default=4.0)
-    cal.add_argument("--proposal", choices=("int2", "hash"), default="int2",
+    cal.add_argument("--proposal", choices=methods.get("prism").proposals, default="int2",
                      help="how proposal layers score every key: INT2 keys, or 32-bit signatures")
     cal.add_argument("--encoders", default=None,
                      help="trained signature encoders (a train-signatures --out directory) for --proposal hash")

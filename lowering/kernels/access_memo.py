@@ -93,18 +93,17 @@ def memoised(analysis, only=ours):
 
 def install() -> None:
     """Wrap torch's kernel-access analysis (once per process; a torch without it is left alone)."""
-    import importlib
     import sys
 
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap
+    except ImportError:
+        return
     wrapped = {}
     # Inductor's IR may have bound the analysis at its import (some torch versions): patch it there if
     # it is loaded; one imported later binds the patched name
-    for where in ("torch._higher_order_ops.triton_kernel_wrap", "torch._inductor.ir"):
-        if where != "torch._higher_order_ops.triton_kernel_wrap" and where not in sys.modules:
-            continue
-        try:
-            module = importlib.import_module(where)
-        except ImportError:
+    for module in (triton_kernel_wrap, sys.modules.get("torch._inductor.ir")):
+        if module is None:
             continue
         for name in ANALYSES:
             fn = getattr(module, name, None)

@@ -179,12 +179,12 @@ class Prism(Method):
                                p.local, site.mask, site.start)
             pool = emit.call(operator.getitem, ranked, window)
             q_sig = emit.call(OPS.pack_signs.default, q_logits)
-            at_pool = emit.call(OPS.hamming_scores.default, q_sig, emit.call(_rows_at, side["signatures"], pool))
+            at_pool = emit.call(OPS.hamming_scores.default, q_sig, emit.call(_at, side["signatures"], pool))
             return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
         scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
         ranked = self.topk(emit, state, site, scores, p.pool)
         pool = emit.call(operator.getitem, ranked, window)
-        at_pool = emit.call(_scores_at, scores, pool)
+        at_pool = emit.call(_at, scores, pool)
         return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
 
     def _refine(self, emit, state, site, pool, proposal_idx):
@@ -201,15 +201,12 @@ class Static(Prism):
     refine = False
 
 
-def _rows_at(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """cache [B,Hkv,L,W] rows at positions [B,Hkv,N] -> [B,Hkv,N,W] (-1 reads slot 0; the select ignores it)."""
-    idx = positions.clamp(min=0).long()[..., None].expand(-1, -1, -1, cache.shape[-1])
-    return torch.gather(cache, 2, idx)
-
-
-def _scores_at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """scores [B,Hkv,L] read at positions [B,Hkv,N] (-1 reads slot 0; the select ignores it)."""
-    return torch.gather(scores, 2, positions.clamp(min=0).long())
+def _at(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """t [B,Hkv,L,*tail] (scores, or signature rows) read at positions [B,Hkv,N] -> [B,Hkv,N,*tail]
+    (-1 reads slot 0; the select ignores it)."""
+    idx = positions.clamp(min=0).long()
+    tail = t.shape[3:]
+    return torch.gather(t, 2, idx.reshape(*idx.shape, *(1 for _ in tail)).expand(*idx.shape, *tail))
 
 
 register(Prism())
