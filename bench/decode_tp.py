@@ -127,6 +127,7 @@ def main() -> None:
             print("smoke ok")
         else:
             benchlib.save(args.out, f"decode-tp-{meta['date'][:10]}", {"meta": meta, "rows": rows})
+    dist.barrier()  # tear down together: gloo aborts a rank whose peer has already left
     dist.destroy_process_group()
 
 

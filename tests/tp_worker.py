@@ -99,6 +99,7 @@ def main(ckpt: str, out: str) -> None:
         }
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(facts, f)
+    dist.barrier()  # tear down together: gloo aborts a rank whose peer has already left
     dist.destroy_process_group()
 
 
