@@ -1,6 +1,7 @@
 """Where one end-to-end decode step's time goes: device time per kernel (torch.profiler) of the
 compiled step of a Llama-3.1-8B-shaped model (random bf16 weights, random filled cache), beside
-the step's wall time and whether CUDA graphs were skipped. The gap between the kernel table of `kernel_step.py` and the end-to-end
+the step's wall time, whether CUDA graphs were skipped, and the host's side: the time to issue a
+step without waiting for the GPU and, by cProfile, where that time goes. The gap between the kernel table of `kernel_step.py` and the end-to-end
 step of `decode_speed.py` is the glue this shows: every kernel the compiled graph runs, not only
 ours.
 
@@ -11,7 +12,10 @@ Writes <out>/profile-step-<date>.json and prints a table per method.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
+import time
 
 import torch
 
@@ -25,7 +29,7 @@ def profile_method(model, original_forward, method: str, args) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    cache = random_static_cache(model, args.batch, args.context, 64)
+    cache = random_static_cache(model, args.batch, args.context, 6 * args.steps + 16)  # room for every step run here
     model.forward = original_forward
     model.config._attn_implementation = "sdpa_gqa" if method == "dense-gqa" else "sdpa"
     try:
@@ -39,6 +43,7 @@ def profile_method(model, original_forward, method: str, args) -> dict:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, 1), device="cuda")
         with torch.no_grad():
             kernels = benchlib.kernel_times(lambda: forward(ids, past_key_values=cache, use_cache=True), reps=args.steps)
+        host_ms, host_top = host_time(lambda: forward(ids, past_key_values=cache, use_cache=True), args.steps, args.top)
     finally:
         model.forward = original_forward
         cache = None
@@ -49,7 +54,30 @@ def profile_method(model, original_forward, method: str, args) -> dict:
     return {"method": method, "step_ms": step * 1e3, "compile_s": first - step,
             "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3,
             "launches": sum(r["launches_per_step"] for r in table),
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"], "kernels": table}
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"], "host_ms": host_ms, "host_top": host_top,
+            "kernels": table}
+
+
+def host_time(fn, steps: int, top: int) -> tuple[float, list[dict]]:
+    """Milliseconds the host takes to issue one step (no wait for the GPU between steps), and the
+    functions that take it (cProfile's own time, which inflates Python but ranks it)."""
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        host_ms = (time.perf_counter() - t0) / steps * 1e3
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(((f"{name} ({file.rsplit('/', 2)[-2:][-1]}:{line})", v[0] / steps, v[2] / steps * 1e3)
+                   for (file, line, name), v in stats.items()), key=lambda r: -r[2])
+    return host_ms, [{"function": f, "calls_per_step": c, "own_ms_per_step": ms} for f, c, ms in rows[:top]]
 
 
 def main() -> None:
@@ -83,7 +111,10 @@ def main() -> None:
               f"compile {r['compile_s']:.0f} s ({args.layers} layers, {args.context} x {args.batch})")
         for k in r["kernels"][: args.top]:
             print(f"  {k['us_per_step']:9.1f} us {k['launches_per_step']:4d}x  {k['kernel']}")
-        print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
+        print(f"  host: {r['host_ms']:.3f} ms to issue a step; own time under cProfile:")
+        for h in r["host_top"]:
+            print(f"  {h['own_ms_per_step']:9.3f} ms {h['calls_per_step']:6.1f}x  {h['function']}")
+        print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "host_top")}), flush=True)
 
 
 if __name__ == "__main__":
