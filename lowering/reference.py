@@ -276,6 +276,30 @@ def selection_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered >> 16
 
 
+def _first(batch: int, start: torch.Tensor | None, device) -> torch.Tensor:
+    """[B, 1, 1] int64: each row's first real position (0 without `start`)."""
+    first = torch.zeros(batch, dtype=torch.int64, device=device) if start is None else start.to(device).long()
+    return first[:, None, None]
+
+
+def candidates(scores: torch.Tensor, pos: torch.Tensor, sink: int, local: int, mask: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None, start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache position [B,Hkv,N] int64, eligible [B,Hkv,N] bool) of each candidate `select_topk`
+    ranks (same arguments): readable, at or before the query, outside the sink and local window,
+    and scored (not -inf or NaN). The one definition, shared with the mass rule's totals."""
+    B, Hkv, N = scores.shape
+    dev = scores.device
+    now, first = pos[-1].long(), _first(B, start, dev)
+    cand = torch.arange(N, device=dev).expand(B, Hkv, N) if positions is None else positions.long()
+    eligible = (cand >= first) & (cand <= now) & ~kept(cand, now, sink, local, first)
+    if mask is not None:
+        L = mask.shape[-1]
+        eligible = eligible & torch.gather(valid_positions(mask, B, Hkv, L), 2, cand.clamp(0, L - 1))
+    if scores.is_floating_point():
+        eligible = eligible & (scores > float("-inf")) & ~scores.isnan()
+    return cand, eligible
+
+
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """Choose the cache positions one decode query attends to, per KV head.
@@ -296,9 +320,7 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     B, Hkv, N = scores.shape
     dev = scores.device
     now = pos[-1].long()
-    first = torch.zeros(B, dtype=torch.int64, device=dev) if start is None else start.to(dev).long()
-    first = first[:, None, None]
-    L = mask.shape[-1] if mask is not None else None
+    first = _first(B, start, dev)
     window = torch.cat(
         [
             torch.arange(sink, device=dev).expand(B, 1, sink) + first,
@@ -308,14 +330,10 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     ).expand(B, Hkv, sink + local)
     in_sink = torch.arange(sink + local, device=dev) < sink
     window_ok = (window >= 0) & (window <= now) & (in_sink | (window >= first + sink))
-    cand = torch.arange(N, device=dev).expand(B, Hkv, N) if positions is None else positions.long()
-    eligible = (cand >= first) & (cand <= now) & ~kept(cand, now, sink, local, first)
-    if L is not None:
-        ok = valid_positions(mask, B, Hkv, L)
-        window_ok = window_ok & torch.gather(ok, 2, window.clamp(0, L - 1))
-        eligible = eligible & torch.gather(ok, 2, cand.clamp(0, L - 1))
-    if scores.is_floating_point():
-        eligible = eligible & (scores > float("-inf")) & ~scores.isnan()
+    if mask is not None:
+        L = mask.shape[-1]
+        window_ok = window_ok & torch.gather(valid_positions(mask, B, Hkv, L), 2, window.clamp(0, L - 1))
+    cand, eligible = candidates(scores, pos, sink, local, mask, positions, start)
     window = torch.where(window_ok, window, -1)
     # rank by (key, candidate index): unique, so torch.topk has no ties left to break its own way
     index = torch.arange(N, device=dev)

@@ -3,7 +3,8 @@
 Per plan x context x sparsity (`Settings`; `run` measures, `markdown` tabulates):
   probes     recall@k of each sparse layer's selection against the true attention top-k (mean and
              spread over layers and heads), attention mass kept, relative output error, Prism pool
-             recall; recorded by the library's probes (`compile(..., measure=True)`)
+             recall, tokens chosen by score (fewer than the budget under mass < 1); recorded by the
+             library's probes (`compile(..., measure=True)`)
   teacher    next-token agreement (argmax equal) and cross-entropy delta vs dense: dense prefill of
              a held-out window, then `decode_tokens` sparse decode steps fed the true tokens
   passkey    retrieval accuracy at several depths (>= 10 trials per cell, fixed seeds); dense
@@ -388,21 +389,24 @@ def markdown(results: dict) -> str:
         "",
         f"recall@{k}: share of the true top-{k} attention keys in the selection (mean over layers, heads, steps; "
         "± std over layers / over heads; min = worst layer). Output error: |sparse - dense| / |dense| of each "
-        "attention output. CE Δ: cross-entropy of the true next token, sparse minus dense (nats/token).",
+        "attention output. Kept: tokens chosen by score per step and KV head (the budget's share used; fewer under a "
+        "plan's -mass<p>), mean ± std over layers. CE Δ: cross-entropy of the true next token, sparse minus dense "
+        "(nats/token).",
     ]
     for n in sorted({r["context"] for r in rows}):
         sub = [r for r in rows if r["context"] == n]
         ce = sub[0]["teacher"]["ce_dense"]
         out += ["", f"## context {n} (dense CE {ce:.3f} nats/token)", "",
-                f"| plan | sparsity | budget | recall@{k} | ± layers / heads | min layer | mass | output err | pool recall "
-                "| agreement | CE Δ | passkey |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"| plan | sparsity | budget | kept | recall@{k} | ± layers / heads | min layer | mass | output err "
+                "| pool recall | agreement | CE Δ | passkey |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sub:
             p, t = r["probes"], r["teacher"]
             rec = p.get("recall")
             cells = [
                 r["plan"], f"1/{r['sparsity']}" if r["sparsity"] else "-",
                 f"{r['budget']}+{r['sink']}+{r['local']}" if r["budget"] else "all",
+                f"{p['kept']['mean']:.0f} ± {p['kept']['std_over_layers']:.0f}" if "kept" in p else "-",
                 f"{rec['mean']:.3f}" if rec else "-",
                 f"{rec['std_over_layers']:.3f} / {rec['std_over_heads']:.3f}" if rec else "-",
                 f"{rec['min_layer']:.3f}" if rec else "-",

@@ -4,7 +4,9 @@ With `sparse_fx.compile(model, plan, measure=True)` every sparse decode layer al
 with its query, KV cache, mask, selection and output. The recorder computes, per query head, the
 dense attention of that same query in float32 and compares: recall of the true top-k, attention
 mass kept, relative output error, and (Prism refined layers) the share of the true top-budget
-inside the proposal's pool. The graph then runs without Inductor (recording is Python).
+inside the proposal's pool; it also counts the tokens chosen by score (`kept`: the selection
+less the always-kept sink and local window, at most the budget; fewer under a plan's mass < 1).
+The graph then runs without Inductor (recording is Python).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class Measurements:
         return {layer: torch.cat(v) for layer, v in sorted(self.values[metric].items())}
 
     def summary(self) -> dict[str, dict]:
-        """metric -> mean, std over layers, std over heads, and the per-layer means."""
+        """metric -> mean, std over layers, std over heads, and each layer's mean and std (over
+        steps, batch rows and heads)."""
         out = {}
         for metric in self.metrics:
             layers = self.per_layer(metric)
@@ -56,6 +59,7 @@ class Measurements:
                 "std_over_heads": float(per_head.std()) if len(per_head) > 1 else 0.0,
                 "min_layer": float(per_layer.min()),
                 "per_layer": {layer: float(v.mean()) for layer, v in layers.items()},
+                "per_layer_std": {layer: float(v.std()) if v.numel() > 1 else 0.0 for layer, v in layers.items()},
             }
         return out
 
@@ -81,6 +85,7 @@ class Measurements:
         self._add("mass", layer, (p * chosen).sum(-1))
         err = (out.float()[:, :, 0] - dense).norm(dim=-1) / dense.norm(dim=-1).clamp(min=1e-12)
         self._add("output_error", layer, err)
+        self._add("kept", layer, (idx[..., window:] >= 0).sum(-1).repeat_interleave(G, 1))
         if pool is not None:
             in_pool = torch.zeros(B, Hkv, L + 1, dtype=torch.bool, device=q.device)
             in_pool.scatter_(2, torch.where(pool >= 0, pool.long(), L), True)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 FORMAT = "sparse_fx.plan/1"
 DEFAULT_GROUP = 4
+MASS_NAME = re.compile(r"(.+)-mass([0-9.e+-]+)")  # "prism-g4-mass0.95": any plan name, with mass < 1
+MASS_FORM = "any of them + -mass<p> (0 < p <= 1, e.g. prism-g4-mass0.95)"
 
 
 def _fail(msg: str) -> None:
@@ -45,6 +48,11 @@ class Plan:
     pool exactly as with INT2); `roles` (one per layer: proposal / refined / dense) overrides the uniform
     grouping; `dense_layers` stay dense under any method; `encoders` is the directory of trained
     signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
+
+    `mass` < 1 makes the budget adaptive: per layer, KV head and step, only the fewest candidates
+    whose estimated attention mass reaches that share of all candidates' mass are kept, at most
+    `budget` of them (1: always `budget`). Shapes stay static: unused slots hold -1. See
+    `sparse_fx.methods.mass_cut`; methods without a mass estimate (hash) refuse it.
     """
 
     method: str = "dense"
@@ -57,6 +65,7 @@ class Plan:
     proposal: str = "int2"
     bits: int = 32
     seed: int = 0
+    mass: float = 1.0
     dense_layers: tuple[int, ...] = ()
     roles: tuple[str, ...] | None = None
     encoders: str | None = None
@@ -75,6 +84,12 @@ class Plan:
             _fail(f"bits must be a positive multiple of 32, got {self.bits}")
         if not isinstance(self.rho, numbers.Real) or isinstance(self.rho, bool) or not self.rho >= 1:
             _fail(f"rho (pool size / budget) must be a number >= 1, got {self.rho!r}")
+        if not isinstance(self.mass, numbers.Real) or isinstance(self.mass, bool) or not 0 < self.mass <= 1:
+            _fail(f"mass (share of the candidates' attention mass to keep) must be a number in (0, 1], got {self.mass!r}")
+        object.__setattr__(self, "mass", float(self.mass))
+        if self.mass < 1 and not handler.takes_mass:
+            _fail(f"mass={self.mass} needs a method that estimates attention mass; {self.method!r} does not "
+                  f"(valid with mass < 1: {_methods().mass_methods()})")
         if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
             _fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         for i in self.dense_layers:
@@ -107,15 +122,24 @@ class Plan:
         if not isinstance(plan, str):
             _fail(f"plan must be a name, a Plan or a .json path, got {type(plan).__name__}; "
                   f"valid plans: {_methods().plan_forms()}")
-        found = _methods().parse(plan.strip().lower())
+        text = plan.strip().lower()
+        mass = MASS_NAME.fullmatch(text)
+        found = _methods().parse(mass.group(1) if mass else text)
         if found is None:
-            _fail(f"unknown plan {plan!r}; valid plans: {_methods().plan_forms()}")
+            _fail(f"unknown plan {plan!r}; valid plans: {_methods().plan_forms()}; {MASS_FORM}")
         method, fields = found
+        if mass:
+            try:
+                fields["mass"] = float(mass.group(2))
+            except ValueError:
+                _fail(f"plan {plan!r}: -mass{mass.group(2)} is not a number; {MASS_FORM}")
         return cls(**{"method": method, **fields, **_checked_options(options)})
 
     @property
     def name(self) -> str:
-        return _methods().get(self.method).plan_name(self)
+        """The plan's name, which `parse` reads back ("-mass<p>" only when mass < 1)."""
+        name = _methods().get(self.method).plan_name(self)
+        return f"{name}-mass{self.mass!r}" if self.mass < 1 else name
 
     @property
     def description(self) -> str:

@@ -44,6 +44,8 @@ def test_measurements_are_perfect_when_the_budget_covers_the_context(model):
     assert s["recall"]["mean"] == 1.0 and s["pool_recall"]["mean"] == 1.0
     assert abs(s["mass"]["mean"] - 1.0) < 1e-6 and s["output_error"]["mean"] < 1e-5
     assert sorted(s["recall"]["per_layer"]) == [0, 1, 2, 3]
+    assert s["kept"]["per_layer"] == {layer: 20.5 for layer in range(4)}  # every candidate: positions 2..now-3, now 20..29
+    assert abs(s["kept"]["per_layer_std"][0] - torch.arange(16, 26.0).repeat_interleave(4).std()) < 1e-9  # over steps x heads
     assert sparse_fx.measurements(m).per_layer("recall")[0].shape == (10, 4)  # steps x query heads
 
 
@@ -57,6 +59,7 @@ def test_measurements_see_a_small_budget(model):
     s = sparse_fx.measurements(m).summary()
     assert 0 < s["mass"]["mean"] < 0.9 and s["output_error"]["mean"] > 1e-3
     assert s["recall"]["mean"] <= 4 / 32 + 1e-9  # 4 slots cannot hold more of a top-32
+    assert s["kept"]["mean"] == 2 and s["kept"]["std_over_layers"] == 0  # the window is not counted
 
 
 def test_measure_needs_the_eager_backend(model):

@@ -107,3 +107,36 @@ def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
     assert p.name == "prism-g2-hash-learned-calibrated"
     p.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == p
+
+
+@pytest.mark.parametrize("name, method, mass", [
+    ("prism-g4-mass0.95", "prism", 0.95), ("oracle-mass0.9", "oracle", 0.9), ("static-g2-hash-mass0.5", "static", 0.5),
+    ("oracle-mass1e-05", "oracle", 1e-5), ("oracle-mass1", "oracle", 1.0),
+])
+def test_mass_in_names_round_trips(name, method, mass, tmp_path):
+    p = Plan.parse(name)
+    assert (p.method, p.mass) == (method, mass)
+    assert Plan.parse(p.name) == p and p.name == (name if mass < 1 else method)
+    p.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == p and Plan.parse(str(tmp_path / "p.json"), mass=0.5).mass == 0.5
+    assert Plan.parse("prism-g4", mass=0.95).name == "prism-g4-mass0.95" and Plan.parse("prism-g4", mass=1).mass == 1.0
+
+
+@pytest.mark.parametrize("mass", [0, -0.1, 1.5, "x", True, float("nan"), float("inf"), None])
+def test_bad_mass_is_rejected_naming_the_valid_range(mass):
+    with pytest.raises(ValueError, match=r"mass \(share of the candidates' attention mass to keep\) must be a number "
+                                         r"in \(0, 1\], got "):
+        Plan.parse("prism-g4", mass=mass)
+
+
+@pytest.mark.parametrize("name, options, match", [
+    ("hash", {"mass": 0.9}, r"mass=0.9 needs a method that estimates attention mass; 'hash' does not "
+                            r"\(valid with mass < 1: oracle, prism, static\)"),
+    ("dense-mass0.5", {}, "'dense' does not"),
+    ("oracle-massx", {}, r"unknown plan 'oracle-massx'; .*any of them \+ -mass<p> \(0 < p <= 1"),
+    ("oracle-mass2", {}, r"must be a number in \(0, 1\], got 2.0"),
+    ("oracle-mass1..5", {}, "-mass1..5 is not a number"),
+])
+def test_mass_on_a_method_without_an_estimate_and_bad_mass_names(name, options, match):
+    with pytest.raises(ValueError, match=match):
+        Plan.parse(name, **options)

@@ -8,10 +8,12 @@ from . import OPS, Method, Selection, register
 class Oracle(Method):
     name = "oracle"
     description = "exact attention-mass top-k over the full-precision keys (the quality ceiling)"
+    takes_mass = True  # its scores are the exact attention mass
 
     def select(self, emit, state, site):
         scores = emit.call(OPS.mass_scores.default, site.q, site.k, site.scale, site.mask)
-        return Selection(self.topk(emit, state, site, scores, state.plan.budget))
+        idx = self.topk(emit, state, site, scores, state.plan.budget, mass=scores)
+        return Selection(idx, note=self.mass_note(state.plan))
 
 
 register(Oracle())

@@ -3,6 +3,13 @@ candidates; the refined layers after them re-score only that pool with their own
 With `proposal="hash"` (plan name suffix `-hash`) proposal layers score with HashAttention's
 32-bit signatures instead (4 bytes a key against INT2's 48 at head dim 128), beyond both papers.
 
+Under a plan's mass < 1 (`sparse_fx.methods.mass_cut`) refined layers cut their budget by the
+exact attention mass over the pool. INT2 proposal layers estimate it as softmax over the pool of
+scale x their score (the best query head's <q, INT2 key>: the mass of the KV head's most attentive
+query head, INT2 error and all); signature proposals have no estimate (Hamming similarity is no
+logit) and keep the full budget. The pool itself is always rho x budget: it is what later layers
+choose from, not what this one attends to.
+
 `static` is the IndexCache-style ablation (refined layers reuse the proposal's choice as is), and
 `for_search()` gives calibration's variant, where every sparse layer computes both paths and a
 per-layer flag on the device picks one, so trying a role assignment writes a tensor, not a graph.
@@ -29,6 +36,7 @@ class Prism(Method):
     name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G>[-hash] (e.g. prism-g4, prism-g9, prism-g4-hash)"
     explicit_roles = True
     proposals = ("int2", "hash")
+    takes_mass = True  # refined layers: exact mass over the pool; INT2 proposals: an estimate
     refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
     search = False  # calibration: both paths everywhere, a device flag per layer picks
 
@@ -147,12 +155,13 @@ class Prism(Method):
         if site.role == "proposal":
             pool, idx = self._propose(emit, state, site)
             site.carry["proposal"] = (site.layer, pool, idx)
-            return Selection(idx, note=f", pool {p.pool}", pool=pool)
+            return Selection(idx, note=f", pool {p.pool}" + self._proposal_mass_note(p), pool=pool)
         if site.role == "refined":
             if earlier is None:
                 return Selection(dense_reason="no earlier proposal layer is sparse in this graph")
             layer, pool, idx = earlier
-            return Selection(self._refine(emit, state, site, pool, idx), note=f", from L{layer}", pool=pool)
+            note = f", from L{layer}" + (self.mass_note(p) if self.refine else "")
+            return Selection(self._refine(emit, state, site, pool, idx), note=note, pool=pool)
         # search: both paths; the layer's flag in a device buffer picks one (see calibrate)
         own_pool, own_idx = self._propose(emit, state, site)
         if earlier is None:
@@ -164,7 +173,12 @@ class Prism(Method):
             pool = emit.call(torch.where, flag, own_pool, carried_pool)
             own_idx = emit.call(torch.where, flag, own_idx, carried_idx)
         site.carry["proposal"] = (site.layer, pool, own_idx)
-        return Selection(idx, note=f", pool {p.pool}", pool=pool)
+        return Selection(idx, note=f", pool {p.pool}" + self.mass_note(p), pool=pool)
+
+    def _proposal_mass_note(self, plan) -> str:
+        if plan.proposal == "hash" and plan.mass < 1:
+            return ", full budget (no mass estimate from signatures)"
+        return self.mass_note(plan, " (INT2 estimate)")
 
     def _propose(self, emit, state, site):
         """Scores over the filled cache -> (pool of the best `plan.pool`, its best `budget`): INT2
@@ -185,14 +199,15 @@ class Prism(Method):
         ranked = self.topk(emit, state, site, scores, p.pool)
         pool = emit.call(operator.getitem, ranked, window)
         at_pool = emit.call(_at, scores, pool)
-        return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
+        mass = emit.call(_int2_mass, at_pool, pool, site.kv.head_dim**-0.5 if site.scale is None else site.scale)
+        return pool, self.topk(emit, state, site, at_pool, p.budget, pool, mass=mass)
 
     def _refine(self, emit, state, site, pool, proposal_idx):
         """Re-score the proposal's pool with this layer's exact keys (static: reuse its choice)."""
         if not self.refine:
             return proposal_idx
         scores = emit.call(OPS.mass_scores.default, site.q, site.k, site.scale, site.mask, pool)
-        return self.topk(emit, state, site, scores, state.plan.budget, pool)
+        return self.topk(emit, state, site, scores, state.plan.budget, pool, mass=scores)
 
 
 class Static(Prism):
@@ -207,6 +222,12 @@ def _at(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     idx = positions.clamp(min=0).long()
     tail = t.shape[3:]
     return torch.gather(t, 2, idx.reshape(*idx.shape, *(1 for _ in tail)).expand(*idx.shape, *tail))
+
+
+def _int2_mass(scores: torch.Tensor, pool: torch.Tensor, scale: float) -> torch.Tensor:
+    """The pool's estimated attention mass from INT2 scores [B,Hkv,N]: softmax over the pool
+    (positions [B,Hkv,N], -1 none) of scale x score (NaN where a row has no candidate: no mass)."""
+    return torch.softmax((scores * scale).masked_fill(pool < 0, float("-inf")), -1)
 
 
 register(Prism())
