@@ -30,6 +30,7 @@ PLOTTED = {  # metric -> (label, where it lives in a row)
     "recall": ("recall@k of the selection", ("probes", "recall", "mean")),
     "output_error": ("relative error of the attention output", ("probes", "output_error", "mean")),
     "mass": ("attention mass kept", ("probes", "mass", "mean")),
+    "kept": ("tokens chosen by score per step and KV head", ("probes", "kept", "mean")),
     "agreement": ("next-token agreement with dense", ("teacher", "agreement")),
     "ce_delta": ("cross-entropy delta vs dense (nats/token)", ("teacher", "ce_delta")),
     "passkey": ("passkey accuracy", ("passkey", "accuracy")),

@@ -110,7 +110,7 @@ def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
 
 
 @pytest.mark.parametrize("name, method, mass", [
-    ("prism-g4-mass0.95", "prism", 0.95), ("oracle-mass0.9", "oracle", 0.9), ("static-g2-hash-mass0.5", "static", 0.5),
+    ("prism-g4-mass0.95", "prism", 0.95), ("oracle-mass0.9", "oracle", 0.9), ("prism-g2-hash-mass0.5", "prism", 0.5),
     ("oracle-mass1e-05", "oracle", 1e-5), ("oracle-mass1", "oracle", 1.0),
 ])
 def test_mass_in_names_round_trips(name, method, mass, tmp_path):
@@ -133,6 +133,7 @@ def test_bad_mass_is_rejected_naming_the_valid_range(mass):
     ("hash", {"mass": 0.9}, r"mass=0.9 needs a method that estimates attention mass; 'hash' does not "
                             r"\(valid with mass < 1: oracle, prism, static\)"),
     ("dense-mass0.5", {}, "'dense' does not"),
+    ("static-g2-hash-mass0.5", {}, r"mass=0.5 does nothing in static with proposal='hash'.*valid with mass < 1: prism "),
     ("oracle-massx", {}, r"unknown plan 'oracle-massx'; .*any of them \+ -mass<p> \(0 < p <= 1"),
     ("oracle-mass2", {}, r"must be a number in \(0, 1\], got 2.0"),
     ("oracle-mass1..5", {}, "-mass1..5 is not a number"),

@@ -61,6 +61,10 @@ class Prism(Method):
         return lsh_notice(state, state.plan.name) if state.plan.proposal == "hash" else {}
 
     def validate(self, plan):
+        if plan.mass < 1 and plan.proposal == "hash" and not self.refine:
+            raise ValueError(f"sparse_fx: mass={plan.mass} does nothing in {self.name} with proposal='hash': its "
+                             "signature proposals have no mass estimate and its other layers reuse their selection; "
+                             "valid with mass < 1: prism with either proposal, static with proposal='int2'")
         if plan.group < 1:
             raise ValueError(f"sparse_fx: group must be >= 1 layer (1: every layer proposes, no sharing), got {plan.group}")
         if plan.roles is not None:
