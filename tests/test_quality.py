@@ -97,13 +97,14 @@ def test_outputs_are_written(reduced):
     _, _, paths = reduced
     names = sorted(Path(p).name for p in paths)
     assert "quality-ci.json" in names and "quality-ci.md" in names
-    assert {"quality-ci-recall.png", "quality-ci-agreement.png", "quality-ci-passkey.png"} <= set(names)
+    assert {"quality-ci-recall.png", "quality-ci-agreement.png", "quality-ci-passkey.png", "quality-ci-kept.png"} <= set(names)
     data = json.loads(Path(paths[0]).read_text())
     assert data["meta"]["versions"]["torch"] and data["meta"]["command"].startswith("python bench/quality_sweep.py --tag ci")
     assert len(data["rows"]) == 5
     assert len(data["rows"][1]["probes"]["recall"]["per_layer"]) == 30
     md = Path(paths[1]).read_text()
-    assert "128+32+32" in md and "| oracle | 1/4 |" in md
+    assert "| oracle | 1/4 | 128+32+32 | 128 ± 0 |" in md  # tokens kept: the whole budget at every layer
+    assert len(data["rows"][1]["probes"]["kept"]["per_layer_std"]) == 30
     for p in paths[2:]:
         assert Path(p).read_bytes()[:4] == b"\x89PNG"
 
