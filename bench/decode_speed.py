@@ -314,7 +314,8 @@ def merge(paths: list[str], out, stem: str, meta: dict) -> None:
             for run in runs for r in run["rows"]]
     configs = sorted({(r["batch"], r["context"]) for r in rows if r.get("kind") != "ttft"})
     first = runs[0]["meta"]
-    meta = {**meta, "gpu": first["gpu"], "versions": first["versions"], "runs": [run["meta"] for run in runs]}
+    merged = [m for run in runs for m in run["meta"].get("runs", [run["meta"]])]  # a merged input: its own runs
+    meta = {**meta, "gpu": first["gpu"], "versions": first["versions"], "runs": merged}
     save(rows, configs, out, meta, complete=True, stem=stem)
     print_table(rows)
 

@@ -1,12 +1,21 @@
-"""`calibrate`: choose Prism's proposal layers by greedy search on calibration text (training-free).
+"""`calibrate`: choose Prism's proposal layers on calibration text (training-free).
 
-The model is compiled once in search mode: every sparse layer computes both its proposal path
-(INT2 or signature scores over the cache, a pool of rho*budget candidates) and its refined path (re-score the
-carried pool), and a per-layer flag in a device buffer picks one, so trying a role assignment is
-writing a tensor, not recompiling. The objective is the token-level cross-entropy of sparse decode
-steps under teacher forcing (dense prefill, sparse decode), as in the paper. Greedy: layer 0
-proposes; each round makes proposal the layer that lowers the cross-entropy most, until there are
-ceil(sparse layers / group) proposal layers.
+Two objectives, both constrained to the plan's shape (ceil(sparse layers / group) proposal layers,
+each refined layer served by the nearest proposal above it):
+
+- "mass" (default): one dense forward per window captures every layer's queries at the last
+  `steps` positions and its keys. For every pair of a proposal candidate p and a later layer l,
+  it measures the attention mass l keeps, step by step, when it chooses its `budget` within p's
+  pool (p itself choosing by its proposal score, as the plan runs), as a share of the mass of l's
+  own exact top-`budget`. The roles maximising the summed share are found exactly by dynamic
+  programming over contiguous groups. Thousands of steps cost seconds, so it runs at the deployed
+  length on many windows.
+- "ce": the paper's objective, the token-level cross-entropy of sparse decode steps under teacher
+  forcing, by greedy search. The model is compiled once in search mode: every sparse layer
+  computes both its proposal path and its refined path, and a per-layer flag on the device picks
+  one, so trying a role assignment writes a tensor, not a graph. Layer 0 proposes; each round
+  makes proposal the layer that lowers the cross-entropy most. Each trial decodes every window,
+  so it affords far fewer tokens than "mass".
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ import torch
 from tqdm.auto import tqdm
 
 from . import methods
+from .lowering.reference import int2_dequantize, int2_quantize
 from .plan import Plan
+
+OBJECTIVES = ("mass", "ce")
 
 
 def calibrate(
@@ -32,14 +44,17 @@ def calibrate(
     windows: int = 4,
     steps: int = 16,
     seed: int = 0,
+    objective: str = "mass",
     progress: bool = True,
     **plan_options,
 ) -> Plan:
-    """A plan whose layer roles come from greedy search minimising decode cross-entropy.
+    """A plan whose layer roles maximise the attention mass the pools keep (objective "mass") or
+    minimise decode cross-entropy by greedy search ("ce"); see the module docstring.
 
     texts: token windows [N, context] (LongTensor) or None for the training split of
     `sparse_fx.data` (needs `tokenizer`); the last `steps` tokens of each window are decoded
-    sparsely under teacher forcing after a dense prefill of the rest. method: "prism" or
+    sparsely under teacher forcing after a dense prefill of the rest (their queries, for "mass").
+    method: "prism" or
     "static" (IndexCache-style reuse, for the ablation). plan_options: budget, sink, local, rho,
     int2_group, proposal ("int2" or "hash": signature proposals, with `encoders` a directory of
     trained ones or LSH without), dense_layers. The model is left as it was.
@@ -52,6 +67,8 @@ def calibrate(
     if not handler.explicit_roles:
         raise ValueError(f"sparse_fx: calibrate chooses proposal and refined layers; plan method {method!r} has none "
                          "(valid: prism, static)")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"sparse_fx: unknown calibration objective {objective!r}; valid: {', '.join(OBJECTIVES)}")
     ids = _windows(texts, tokenizer, context, windows, seed)
     N, T = ids.shape
     prefill = T - steps
@@ -61,6 +78,8 @@ def calibrate(
         raise ValueError("sparse_fx: calibrate a plain model, not one already compiled by sparse_fx")
     device = next(model.parameters()).device
     ids = ids.to(device)
+    if objective == "mass":
+        return _by_mass(model, ids, steps, handler, Plan.parse(f"{method}-g{group}", **plan_options), progress)
     cache = StaticCache(config=model.config, max_cache_len=T)
     with torch.no_grad():
         model(ids[:, :prefill], past_key_values=cache)  # dense prefill, once
@@ -123,3 +142,132 @@ def _windows(texts, tokenizer, context: int, windows: int, seed: int) -> torch.T
     from .data import token_windows
 
     return token_windows(tokenizer, "train", context, windows, seed=seed)
+
+
+# ------------------------------------------------------------------------------ the mass objective
+def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress: bool) -> Plan:
+    if base.proposal != "int2":
+        raise ValueError("sparse_fx: calibrate(objective='mass') scores INT2 proposals; calibrate signature "
+                         "proposals (proposal='hash') with objective='ce'")
+    N, T = ids.shape
+    roles = handler.roles(base, model.config.num_hidden_layers, set(base.dense_layers))
+    sparse = [i for i, r in enumerate(roles) if r != "dense"]
+    if not sparse:
+        raise ValueError("sparse_fx: no layer is left to calibrate (all dense)")
+    if base.pool >= T - steps - base.window:
+        raise ValueError(f"sparse_fx: windows of {T} tokens hold fewer candidates than a pool of {base.pool} "
+                         "(rho x budget): every role assignment would pool them all; use longer windows or a smaller budget")
+    kept = torch.zeros(len(sparse), len(sparse), dtype=torch.float64)  # [proposal, layer]: mass l keeps from p's pool
+    best = torch.zeros(len(sparse), dtype=torch.float64)  # mass of each layer's own top-budget
+    for w in tqdm(range(N), desc=f"calibrate {base.name} (mass)", disable=not progress):
+        layers = _capture(model, ids[w : w + 1], steps)
+        allowed = _candidates(T, steps, base, ids.device)
+        mass = [_mass(*layers[i], allowed) for i in sparse]
+        best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
+        for a, p in enumerate(sparse):
+            q, k = layers[p]
+            score = _int2_score(q, k, base.int2_group).masked_fill(~allowed, float("-inf"))
+            pool = _top(score, base.pool)  # (non-candidates it may hold have no mass)
+            own = pool.gather(-1, _top(score.gather(-1, pool), base.budget))  # the proposal's own choice
+            for b in range(a, len(sparse)):
+                at_pool = mass[b].gather(-1, pool)
+                chosen = own if b == a or not handler.refine else pool.gather(-1, _top(at_pool, base.budget))
+                kept[a, b] += float(mass[b].gather(-1, chosen).sum())
+    share = kept / best.clamp(min=1e-30)
+    leads = _best_leads(share, math.ceil(len(sparse) / base.group))
+    uniform = [n for n in range(len(sparse)) if n % base.group == 0]
+    out = ["dense" if r == "dense" else "refined" for r in roles]
+    for n in leads:
+        out[sparse[n]] = "proposal"
+    note = (f"calibrated on {N} windows x {T} tokens (queries of the last {steps}): attention mass kept "
+            f"{_value(share, leads) / len(sparse):.4f} of each layer's own top-budget vs uniform {_value(share, uniform) / len(sparse):.4f}")
+    return dataclasses.replace(base, roles=tuple(out), note=note)
+
+
+def _capture(model, ids: torch.Tensor, steps: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """layer -> (queries of the last `steps` positions [steps, Hq, D], keys [Hkv, T, D]), float32,
+    from one dense forward (any attention implementation: recorded, then run as SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    got = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        got[module.layer_idx] = (query[0, :, -steps:].transpose(0, 1).float(), key[0].float())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("sparse_fx_calibration_capture", recording)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "sparse_fx_calibration_capture"
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)  # no vocabulary-wide logits: only attention is wanted
+    finally:
+        model.config._attn_implementation = previous
+    return got
+
+
+def _candidates(T: int, steps: int, plan: Plan, device) -> torch.Tensor:
+    """[steps, 1, T] bool: what a decode query at each of the last `steps` positions may select
+    (after the sink, before its local window; reference.select_topk)."""
+    now = torch.arange(T - steps, T, device=device)[:, None, None]
+    j = torch.arange(T, device=device)
+    return (j >= plan.sink) & (j <= now - plan.local)
+
+
+def _mass(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """[steps, Hkv, T]: attention weights summed over each KV head's query heads, 0 off the candidates
+    (reference.mass_scores over each step's causal prefix)."""
+    S, Hq, D = q.shape
+    Hkv, T, _ = k.shape
+    steps = torch.arange(T - S, T, device=k.device)[:, None, None, None]
+    logits = torch.einsum("skgd,ktd->skgt", q.view(S, Hkv, Hq // Hkv, D), k) * D**-0.5
+    weights = logits.masked_fill(torch.arange(T, device=k.device) > steps, float("-inf")).softmax(-1).sum(2)
+    return weights * allowed
+
+
+def _int2_score(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:
+    """[steps, Hkv, T]: max over the group's query heads of <q, INT2 round trip of k> (reference.int2_scores)."""
+    S, Hq, D = q.shape
+    Hkv = k.shape[0]
+    kd = int2_dequantize(*int2_quantize(k, group))
+    return torch.einsum("skgd,ktd->skgt", q.view(S, Hkv, Hq // Hkv, D), kd).amax(2)
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best entries of each row."""
+    return scores.topk(min(k, scores.shape[-1]), -1).indices
+
+
+def _top_sum(mass: torch.Tensor, k: int) -> torch.Tensor:
+    return mass.topk(min(k, mass.shape[-1]), -1).values.sum()
+
+
+def _value(share: torch.Tensor, leads: list[int]) -> float:
+    """Summed share of every layer under the leads (each layer served by the nearest lead at or above it)."""
+    bounds = leads + [share.shape[0]]
+    return float(sum(share[a, a:b].sum() for a, b in zip(bounds, bounds[1:])))
+
+
+def _best_leads(share: torch.Tensor, groups: int) -> list[int]:
+    """The `groups` lead positions (the first is 0) maximising `_value`: dynamic programming over
+    where each contiguous group starts."""
+    n = share.shape[0]
+    groups = min(groups, n)
+    seg = torch.zeros(n, n + 1, dtype=torch.float64)  # seg[a, b]: layers a..b-1 led by a
+    for a in range(n):
+        seg[a, a + 1 :] = share[a, a:].cumsum(0)
+    NEG = float("-inf")
+    value = [[NEG] * (n + 1) for _ in range(groups + 1)]  # value[g][b]: layers 0..b-1 in g groups
+    start = [[0] * (n + 1) for _ in range(groups + 1)]
+    value[0][0] = 0.0
+    for g in range(1, groups + 1):
+        for b in range(g, n + 1):
+            for a in range(g - 1, b):
+                if value[g - 1][a] > NEG and value[g - 1][a] + float(seg[a, b]) > value[g][b]:
+                    value[g][b], start[g][b] = value[g - 1][a] + float(seg[a, b]), a
+    leads, b = [], n
+    for g in range(groups, 0, -1):
+        b = start[g][b]
+        leads.append(b)
+    return sorted(leads)

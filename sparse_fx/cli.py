@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import methods
+from .calibrate import OBJECTIVES
 
 
 def main(argv=None) -> None:
@@ -34,7 +35,7 @@ def main(argv=None) -> None:
     train.add_argument("--steps", type=int, help="Adam steps")
     train.add_argument("--seed", type=int)
 
-    cal = sub.add_parser("calibrate", help="choose Prism proposal layers by greedy search; write the plan as JSON")
+    cal = sub.add_parser("calibrate", help="choose Prism proposal layers on calibration text; write the plan as JSON")
     cal.add_argument("--model", default="smollm2")
     cal.add_argument("--out", required=True, help="plan JSON to write (load with sparse_fx.compile(model, plan=PATH))")
     cal.add_argument("--method", choices=("prism", "static"), default="prism")
@@ -49,7 +50,9 @@ def main(argv=None) -> None:
                      help="trained signature encoders (a train-signatures --out directory) for --proposal hash")
     cal.add_argument("--context", type=int, default=2048)
     cal.add_argument("--windows", type=int, default=4)
-    cal.add_argument("--steps", type=int, default=16, help="teacher-forced sparse decode steps per window")
+    cal.add_argument("--steps", type=int, default=16, help="decode positions per window (the last ones)")
+    cal.add_argument("--objective", choices=OBJECTIVES, default=OBJECTIVES[0],
+                     help="mass: attention mass the pools keep, exact search (fast); ce: decode cross-entropy, greedy")
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -72,7 +75,7 @@ def main(argv=None) -> None:
 
         model, tok = load_model(args.model)
         plan = calibrate(model, tokenizer=tok, group=args.group, method=args.method, context=args.context,
-                         windows=args.windows, steps=args.steps, budget=args.budget, sink=args.sink,
+                         windows=args.windows, steps=args.steps, objective=args.objective, budget=args.budget, sink=args.sink,
                          local=args.local, rho=args.rho, proposal=args.proposal,
                          **({"encoders": args.encoders} if args.encoders else {}))
         plan.save(args.out)

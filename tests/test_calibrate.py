@@ -1,6 +1,7 @@
 """Prism calibration: search mode equals fixed roles, greedy result shape, JSON round trip."""
 
 import copy
+import itertools
 import math
 import subprocess
 import sys
@@ -37,13 +38,15 @@ def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, plan
                                        search(ids[:, t : t + 1], past_key_values=cb).logits)
 
 
-@pytest.mark.parametrize("group, proposal", [(2, "int2"), (4, "int2"), (2, "hash")])
-def test_calibration_returns_a_valid_role_assignment(model, group, proposal, tmp_path):
+@pytest.mark.parametrize("group, proposal, objective", [(2, "int2", "mass"), (4, "int2", "mass"), (2, "int2", "ce"),
+                                                        (2, "hash", "ce")])
+def test_calibration_returns_a_valid_role_assignment(model, group, proposal, objective, tmp_path):
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
     plain.set_attn_implementation("eager")
     settings = plain.generation_config.disable_compile
-    plan = sparse_fx.calibrate(plain, ids, group=group, steps=6, progress=False, proposal=proposal, **OPTIONS)
+    plan = sparse_fx.calibrate(plain, ids, group=group, steps=6, progress=False, proposal=proposal, objective=objective,
+                               **OPTIONS)
     assert not {"forward", "_prepare_static_cache"} & set(plain.__dict__), "calibrate must leave the model as it was"
     assert plain.config._attn_implementation == "eager" and plain.generation_config.disable_compile == settings
     assert len(plan.roles) == 6 and plan.roles[0] == "proposal"
@@ -66,7 +69,50 @@ def test_plan_for_another_layer_count_is_a_clear_error(model, tmp_path):
         sparse_fx.compile(copy.deepcopy(model), str(tmp_path / "p.json"))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_mass_objective_finds_the_best_contiguous_groups(seed):
+    """The dynamic programme against every way of choosing the leads (the first layer always leads)."""
+    from sparse_fx.calibrate import _best_leads, _value
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (1,), generator=g))
+    groups = int(torch.randint(1, n + 1, (1,), generator=g))
+    share = torch.rand(n, n, generator=g, dtype=torch.float64).triu()
+    best = max(([0, *rest] for rest in itertools.combinations(range(1, n), groups - 1)), key=lambda leads: _value(share, leads))
+    leads = _best_leads(share, groups)
+    assert len(leads) == groups and leads[0] == 0 and leads == sorted(set(leads))
+    assert math.isclose(_value(share, leads), _value(share, best), rel_tol=1e-12)
+
+
+def test_mass_objective_scores_as_the_decode_ops_do():
+    """Its per-step attention mass and INT2 proposal scores are the references' (mass_scores,
+    int2_scores) for a query at that step, over that step's causal prefix."""
+    from sparse_fx.calibrate import _candidates, _int2_score, _mass
+    from sparse_fx.lowering import reference as ref
+
+    g = torch.Generator().manual_seed(3)
+    S, Hq, Hkv, T, D = 5, 4, 2, 50, 16
+    q, k = torch.randn(S, Hq, D, generator=g), torch.randn(Hkv, T, D, generator=g)
+    plan = sparse_fx.Plan.parse("prism-g2", budget=4, sink=3, local=4, int2_group=8)
+    allowed = _candidates(T, S, plan, "cpu")
+    mass, score = _mass(q, k, allowed), _int2_score(q, k, 8)
+    codes, scale, zero = ref.int2_quantize(k[None], 8)
+    for s in range(S):
+        now = T - S + s
+        mask = (torch.arange(T) <= now)[None, None, None]
+        want = ref.mass_scores(q[s][None, :, None], k[None], None, mask)[0]
+        torch.testing.assert_close(mass[s], want * allowed[s], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(score[s], ref.int2_scores(q[s][None, :, None], codes, scale, zero)[0], rtol=1e-5, atol=1e-5)
+        assert allowed[s, 0].sum() == now - plan.local + 1 - plan.sink
+
+
 def test_calibrate_rejects_bad_input(model):
+    with pytest.raises(ValueError, match="valid: mass, ce"):
+        sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), objective="loss")
+    with pytest.raises(ValueError, match="objective='ce'"):
+        sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), proposal="hash", **OPTIONS)
+    with pytest.raises(ValueError, match="fewer candidates than a pool"):
+        sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), budget=16, sink=2, local=3, int2_group=8)
     with pytest.raises(ValueError, match="valid: prism, static"):
         sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), method="hash")
     with pytest.raises(ValueError, match="nothing to prefill"):

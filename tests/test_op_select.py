@@ -70,6 +70,10 @@ def _scores(kind, B, Hkv, N, g):
         return 1.0 + torch.randint(0, 200, (B, Hkv, N), generator=g).float() * 2**-23
     if kind == "hamming":  # uint8 similarities
         return torch.randint(40, 90, (B, Hkv, N), generator=g, dtype=torch.int32).to(torch.uint8)
+    if kind == "int16":  # Hamming sums of wide groups (ties) and the rest of the range but -32768 (see select.py)
+        narrow = torch.randint(200, 320, (B, Hkv, N), generator=g, dtype=torch.int32)
+        wide = torch.randint(-32767, 32768, (B, Hkv, N), generator=g, dtype=torch.int32)
+        return torch.where(torch.rand(B, Hkv, N, generator=g) < 0.7, narrow, wide).to(torch.int16)
     if kind == "int8":
         return torch.randint(-128, 128, (B, Hkv, N), generator=g, dtype=torch.int32).to(torch.int8)
     if kind == "mass":  # nonnegative, exact zeros, -inf and NaN
@@ -81,7 +85,7 @@ def _scores(kind, B, Hkv, N, g):
     raise ValueError(kind)
 
 
-KINDS = ["float", "ties", "near-ties", "hamming", "int8", "mass"]
+KINDS = ["float", "ties", "near-ties", "hamming", "int16", "int8", "mass"]
 
 
 def check(scores, pos, k, sink, local, mask=None, positions=None, start=None, **knobs):

@@ -119,6 +119,8 @@ def _scenarios():
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
+    yield "select_topk int16 pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.int16), pos, 1024, 128, 128,
+                                                        mask_b, pool)
     yield "select_topk float", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 256, 128, 128, mask_f,
                                                    None, torch.zeros(B, dtype=torch.int32))
     qlog = torch.zeros(B, Hkv * G, 32, dtype=bf)

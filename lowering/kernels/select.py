@@ -41,7 +41,7 @@ BLOCK = 2048  # candidates per step of every pass (all passes of one select cut 
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
 WAVES = 4
 HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
-SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2}
+SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3}
 
 
 # ------------------------------------------------------------------------------ value helpers
@@ -115,8 +115,10 @@ def _score_keys_block(
         key = float_key16(s)
     elif KIND == 1:
         key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 1
-    else:
+    elif KIND == 2:
         key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 129
+    else:  # int16: -32768 shares key 1 with -32767 (16-bit keys keep 0 for "not a candidate")
+        key = tl.maximum(tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 32768, 1)
     key = tl.where(elig, key, 0)
     tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
     return acc + tl.histogram(key >> (16 - LB), 1 << LB, mask=elig)
@@ -133,7 +135,7 @@ def _score_keys_kernel(
     HAS_START: tl.constexpr,  # per-batch first real position (left padding): the sink starts there
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     MASK_HEADS: tl.constexpr,  # mask heads per KV head (G for a per-head mask, else 1)
-    KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8
+    KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8, 3 int16 (wide Hamming sums)
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
     p, r = tl.program_id(0), tl.program_id(1)

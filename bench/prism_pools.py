@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Where Prism's pools lose attention: proposal scores against the attention each layer needs.
+
+On pass-key prompts (SmolLM2-135M-Instruct, offline), one dense forward captures every layer's
+last-position query and its keys. Then, per layer group of a `prism-g<G>` plan, the proposal
+layer's pool (the best rho x budget candidates between the sink and the local window, by the
+proposal score) is compared with what each layer of the group would attend to: the share of the
+exact attention mass of the oracle's top `budget` that the layer's own choice within the pool
+keeps (the proposal layer chooses by its proposal score, refined layers by exact mass, as Prism
+does), and how much of the attention on the needle (the pass key's tokens) survives.
+
+Proposal scores compared: `int2` (the plan's INT2 keys: group-wise 2-bit, 32 channels a scale),
+`int2-centred` (keys minus their per-channel mean before quantising, as KIVI / SageAttention do
+for outlier channels; the mean is added back), and `exact` (the proposal layer's exact attention
+mass: what a perfect proposal scorer would pool). `exact` separates the loss INT2 causes from the
+loss of sharing one layer's pool with the next layers.
+
+    python bench/prism_pools.py --context 4096 --depths 10,50,90 --keys 3 --rho 4,8
+Writes <out>/prism-pools-<context>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from sparse_fx.data import passkey_prompt
+from sparse_fx.lowering.reference import int2_dequantize, int2_quantize
+from sparse_fx.models import load_model
+
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+
+PROPOSALS = ("int2", "int2-centred", "exact")
+KEYS = (31415, 27182, 16180, 14142, 17320, 22360, 26457, 30000, 11235, 58132)
+
+
+def capture(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """layer -> (last query [Hq, D], keys [Hkv, N, D]) of one dense forward, float32."""
+    got = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        got[module.layer_idx] = (query[0, :, -1].float(), key[0].float())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("sparse_fx_pool_probe", recording)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "sparse_fx_pool_probe"
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        model.config._attn_implementation = previous
+    return got
+
+
+def exact_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[Hkv, N]: softmax weights summed over each KV head's query heads (reference.mass_scores)."""
+    Hkv, _, D = k.shape
+    logits = torch.einsum("kgd,knd->kgn", q.view(Hkv, -1, D), k) / math.sqrt(D)
+    return logits.softmax(-1).sum(1)
+
+
+def int2_score(q: torch.Tensor, k: torch.Tensor, centred: bool, group: int = 32) -> torch.Tensor:
+    """[Hkv, N]: max over the group's query heads of <q, dequantised k> (reference.int2_scores)."""
+    mu = k.mean(1, keepdim=True) if centred else torch.zeros_like(k[:, :1])
+    codes, scale, zero = int2_quantize(k - mu, group)
+    kd = int2_dequantize(codes, scale, zero) + mu
+    Hkv, _, D = k.shape
+    return torch.einsum("kgd,knd->kgn", q.view(Hkv, -1, D), kd).amax(1)
+
+
+def best(scores: torch.Tensor, k: int, allowed: torch.Tensor) -> torch.Tensor:
+    """[Hkv, N] bool: the k best allowed entries per row."""
+    s = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.zeros_like(allowed)
+    return out.scatter_(-1, s.topk(min(k, s.shape[-1]), -1).indices, True) & allowed
+
+
+def needle_span(ids: torch.Tensor, tokenizer, key: int) -> torch.Tensor:
+    """[N] bool: the pass key's tokens where the prompt states it (not the closing question)."""
+    digits = tokenizer(f" {key}", add_special_tokens=False)["input_ids"]
+    row, n = ids[0].tolist(), len(digits)
+    span = torch.zeros(len(row), dtype=torch.bool)
+    for i in range(len(row) - n):
+        if row[i:i + n] == digits:
+            span[i:i + n] = True
+    if not span.any():
+        raise RuntimeError(f"the pass key {key} is not found as tokens in its prompt")
+    return span
+
+
+def measure(layers, needle, args, proposal: str, rho: float) -> dict:
+    """Per layer of the plan's groups: chosen mass / oracle top-budget mass; and, over all layers,
+    the share of the needle's attention mass that the choices keep."""
+    Hkv, N = layers[0][1].shape[:2]
+    budget = args.context // args.sparsity
+    allowed = torch.zeros(Hkv, N, dtype=torch.bool)
+    allowed[:, args.sink:N - args.local] = True
+    kept, oracle, needle_kept, needle_all = [], [], 0.0, 0.0
+    for layer in range(len(layers)):
+        lead = layer - layer % args.group
+        q, k = layers[lead]
+        score = exact_mass(q, k) if proposal == "exact" else int2_score(q, k, proposal == "int2-centred")
+        pool = best(score, round(rho * budget), allowed)
+        mass = exact_mass(*layers[layer])
+        chooser = score if layer == lead else mass
+        chosen = best(chooser, budget, pool)
+        kept.append(float((mass * chosen).sum()))
+        oracle.append(float((mass * best(mass, budget, allowed)).sum()))
+        on_needle = mass * needle[None]
+        needle_kept += float((on_needle * chosen).sum())
+        needle_all += float(on_needle.sum())
+    return {"mass_vs_oracle": sum(kept) / sum(oracle), "per_layer": [a / b for a, b in zip(kept, oracle)],
+            "needle_mass_kept": needle_kept / needle_all}
+
+
+def markdown(doc: dict) -> str:
+    a = doc["meta"]["args"]
+    lines = [f"Prism pools on pass-key prompts, SmolLM2-135M-Instruct, context {a['context']}, budget "
+             f"{a['context'] // a['sparsity']} + {a['sink']} + {a['local']}, group {a['group']}, {a['keys']} keys a depth; "
+             f"`{doc['meta']['command']}`", "",
+             "mass: attention mass the group's choices keep / the oracle's top-budget mass (summed over layers); "
+             "needle: share of the attention on the pass key's tokens kept.", "",
+             "| depth | proposal | rho | mass | needle | worst layer |", "|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        worst = min(range(len(r["per_layer"])), key=lambda i: r["per_layer"][i])
+        lines.append(f"| {r['depth']}% | {r['proposal']} | {r['rho']:g} | {r['mass_vs_oracle']:.3f} | "
+                     f"{r['needle_mass_kept']:.3f} | L{worst} {r['per_layer'][worst]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--depths", default="10,50,90", help="pass-key depths, %% of the filler")
+    ap.add_argument("--keys", type=int, default=3, help=f"pass keys a depth (at most {len(KEYS)})")
+    ap.add_argument("--proposals", default=",".join(PROPOSALS), help=f"from {', '.join(PROPOSALS)}")
+    ap.add_argument("--rho", default="4,8", help="pool sizes / budget")
+    ap.add_argument("--group", type=int, default=4, help="layers a proposal serves (prism-g<G>)")
+    ap.add_argument("--sparsity", type=int, default=16, help="budget = context // sparsity")
+    ap.add_argument("--sink", type=int, default=128)
+    ap.add_argument("--local", type=int, default=128)
+    benchlib.add_out(ap)
+    args = ap.parse_args()
+    proposals = args.proposals.split(",")
+    if not set(proposals) <= set(PROPOSALS) or not 1 <= args.keys <= len(KEYS):
+        ap.error(f"--proposals take {', '.join(PROPOSALS)}; --keys 1..{len(KEYS)}")
+    model, tokenizer = load_model()
+    meta = benchlib.header(args)
+    rows = []
+    for depth in map(int, args.depths.split(",")):
+        per_key = []
+        for key in KEYS[: args.keys]:
+            ids = passkey_prompt(tokenizer, args.context, depth / 100, key)
+            layers = capture(model, ids)
+            needle = needle_span(ids, tokenizer, key)
+            per_key.append({(p, r): measure(layers, needle, args, p, r)
+                            for p in proposals for r in map(float, args.rho.split(","))})
+        for (p, r) in per_key[0]:
+            cells = [m[(p, r)] for m in per_key]
+            rows.append({"depth": depth, "proposal": p, "rho": r,
+                         "mass_vs_oracle": sum(c["mass_vs_oracle"] for c in cells) / len(cells),
+                         "needle_mass_kept": sum(c["needle_mass_kept"] for c in cells) / len(cells),
+                         "per_layer": [sum(c["per_layer"][i] for c in cells) / len(cells) for i in range(len(cells[0]["per_layer"]))]})
+        doc = {"meta": meta, "rows": rows}
+        benchlib.save(args.out, f"prism-pools-{args.context}", doc, markdown=markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
