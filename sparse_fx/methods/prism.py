@@ -203,7 +203,8 @@ class Prism(Method):
         ranked = self.topk(emit, state, site, scores, p.pool)
         pool = emit.call(operator.getitem, ranked, window)
         at_pool = emit.call(_at, scores, pool)
-        mass = emit.call(_int2_mass, at_pool, pool, site.kv.head_dim**-0.5 if site.scale is None else site.scale)
+        mass = None if p.mass == 1 else emit.call(_int2_mass, at_pool, pool,
+                                                   site.kv.head_dim**-0.5 if site.scale is None else site.scale)
         return pool, self.topk(emit, state, site, at_pool, p.budget, pool, mass=mass)
 
     def _refine(self, emit, state, site, pool, proposal_idx):
