@@ -22,12 +22,11 @@ Writes <out>/prism-pools-<context>.json and .md.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import sparse_fx
+from sparse_fx.calibrate import attention_mass, capture, decode_candidates, int2_score
 from sparse_fx.data import passkey_prompt
 from sparse_fx.lowering.reference import int2_dequantize, int2_quantize
 from sparse_fx.models import load_model
@@ -38,45 +37,18 @@ PROPOSALS = ("int2", "int2-centred", "exact")
 KEYS = (31415, 27182, 16180, 14142, 17320, 22360, 26457, 30000, 11235, 58132)
 
 
-def capture(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """layer -> (last query [Hq, D], keys [Hkv, N, D]) of one dense forward, float32."""
-    got = {}
-
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        got[module.layer_idx] = (query[0, :, -1].float(), key[0].float())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("sparse_fx_pool_probe", recording)
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = "sparse_fx_pool_probe"
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        model.config._attn_implementation = previous
-    return got
-
-
-def exact_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """[Hkv, N]: softmax weights summed over each KV head's query heads (reference.mass_scores)."""
-    Hkv, _, D = k.shape
-    logits = torch.einsum("kgd,knd->kgn", q.view(Hkv, -1, D), k) / math.sqrt(D)
-    return logits.softmax(-1).sum(1)
-
-
-def int2_score(q: torch.Tensor, k: torch.Tensor, centred: bool, group: int = 32) -> torch.Tensor:
-    """[Hkv, N]: max over the group's query heads of <q, dequantised k> (reference.int2_scores)."""
-    mu = k.mean(1, keepdim=True) if centred else torch.zeros_like(k[:, :1])
-    codes, scale, zero = int2_quantize(k - mu, group)
-    kd = int2_dequantize(codes, scale, zero) + mu
-    Hkv, _, D = k.shape
-    return torch.einsum("kgd,knd->kgn", q.view(Hkv, -1, D), kd).amax(1)
+def centred_int2_score(q: torch.Tensor, k: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """`int2_score` of keys quantised minus their per-channel mean (added back after)."""
+    mu = k.mean(1, keepdim=True)
+    kd = int2_dequantize(*int2_quantize(k - mu, group)) + mu
+    S, Hq, D = q.shape
+    return torch.einsum("skgd,ktd->skgt", q.view(S, k.shape[0], Hq // k.shape[0], D), kd).amax(2)
 
 
 def best(scores: torch.Tensor, k: int, allowed: torch.Tensor) -> torch.Tensor:
-    """[Hkv, N] bool: the k best allowed entries per row."""
+    """[..., N] bool: the k best allowed entries of each row."""
     s = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.zeros_like(allowed)
+    out = torch.zeros_like(s, dtype=torch.bool)
     return out.scatter_(-1, s.topk(min(k, s.shape[-1]), -1).indices, True) & allowed
 
 
@@ -93,25 +65,25 @@ def needle_span(ids: torch.Tensor, tokenizer, key: int) -> torch.Tensor:
     return span
 
 
-def measure(layers, needle, args, proposal: str, rho: float) -> dict:
+def measure(layers, needle, plan, group: int, proposal: str) -> dict:
     """Per layer of the plan's groups: chosen mass / oracle top-budget mass; and, over all layers,
     the share of the needle's attention mass that the choices keep."""
-    Hkv, N = layers[0][1].shape[:2]
-    budget = args.context // args.sparsity
-    allowed = torch.zeros(Hkv, N, dtype=torch.bool)
-    allowed[:, args.sink:N - args.local] = True
+    T = layers[0][1].shape[1]
+    allowed = decode_candidates(T, 1, plan, "cpu")
     kept, oracle, needle_kept, needle_all = [], [], 0.0, 0.0
     for layer in range(len(layers)):
-        lead = layer - layer % args.group
+        lead = layer - layer % group
         q, k = layers[lead]
-        score = exact_mass(q, k) if proposal == "exact" else int2_score(q, k, proposal == "int2-centred")
-        pool = best(score, round(rho * budget), allowed)
-        mass = exact_mass(*layers[layer])
-        chooser = score if layer == lead else mass
-        chosen = best(chooser, budget, pool)
+        if proposal == "exact":
+            score = attention_mass(q, k, allowed)
+        else:
+            score = (centred_int2_score if proposal == "int2-centred" else int2_score)(q, k, plan.int2_group)
+        pool = best(score, plan.pool, allowed)
+        mass = attention_mass(*layers[layer], allowed)
+        chosen = best(score if layer == lead else mass, plan.budget, pool)
         kept.append(float((mass * chosen).sum()))
-        oracle.append(float((mass * best(mass, budget, allowed)).sum()))
-        on_needle = mass * needle[None]
+        oracle.append(float((mass * best(mass, plan.budget, allowed)).sum()))
+        on_needle = mass * needle
         needle_kept += float((on_needle * chosen).sum())
         needle_all += float(on_needle.sum())
     return {"mass_vs_oracle": sum(kept) / sum(oracle), "per_layer": [a / b for a, b in zip(kept, oracle)],
@@ -156,9 +128,11 @@ def main() -> None:
         per_key = []
         for key in KEYS[: args.keys]:
             ids = passkey_prompt(tokenizer, args.context, depth / 100, key)
-            layers = capture(model, ids)
+            layers = capture(model, ids, 1)
             needle = needle_span(ids, tokenizer, key)
-            per_key.append({(p, r): measure(layers, needle, args, p, r)
+            per_key.append({(p, r): measure(layers, needle, sparse_fx.Plan.parse(
+                                f"prism-g{args.group}", budget=args.context // args.sparsity, sink=args.sink,
+                                local=args.local, rho=r), args.group, p)
                             for p in proposals for r in map(float, args.rho.split(","))})
         for (p, r) in per_key[0]:
             cells = [m[(p, r)] for m in per_key]

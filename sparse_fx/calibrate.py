@@ -160,13 +160,13 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
     kept = torch.zeros(len(sparse), len(sparse), dtype=torch.float64)  # [proposal, layer]: mass l keeps from p's pool
     best = torch.zeros(len(sparse), dtype=torch.float64)  # mass of each layer's own top-budget
     for w in tqdm(range(N), desc=f"calibrate {base.name} (mass)", disable=not progress):
-        layers = _capture(model, ids[w : w + 1], steps)
-        allowed = _candidates(T, steps, base, ids.device)
-        mass = [_mass(*layers[i], allowed) for i in sparse]
+        layers = capture(model, ids[w : w + 1], steps)
+        allowed = decode_candidates(T, steps, base, ids.device)
+        mass = [attention_mass(*layers[i], allowed) for i in sparse]
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
         for a, p in enumerate(sparse):
             q, k = layers[p]
-            score = _int2_score(q, k, base.int2_group).masked_fill(~allowed, float("-inf"))
+            score = int2_score(q, k, base.int2_group).masked_fill(~allowed, float("-inf"))
             pool = _top(score, base.pool)  # (non-candidates it may hold have no mass)
             own = pool.gather(-1, _top(score.gather(-1, pool), base.budget))  # the proposal's own choice
             for b in range(a, len(sparse)):
@@ -184,7 +184,7 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
     return dataclasses.replace(base, roles=tuple(out), note=note)
 
 
-def _capture(model, ids: torch.Tensor, steps: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def capture(model, ids: torch.Tensor, steps: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """layer -> (queries of the last `steps` positions [steps, Hq, D], keys [Hkv, T, D]), float32,
     from one dense forward (any attention implementation: recorded, then run as SDPA)."""
     from transformers import AttentionInterface
@@ -207,7 +207,7 @@ def _capture(model, ids: torch.Tensor, steps: int) -> dict[int, tuple[torch.Tens
     return got
 
 
-def _candidates(T: int, steps: int, plan: Plan, device) -> torch.Tensor:
+def decode_candidates(T: int, steps: int, plan: Plan, device) -> torch.Tensor:
     """[steps, 1, T] bool: what a decode query at each of the last `steps` positions may select
     (after the sink, before its local window; reference.select_topk)."""
     now = torch.arange(T - steps, T, device=device)[:, None, None]
@@ -215,7 +215,7 @@ def _candidates(T: int, steps: int, plan: Plan, device) -> torch.Tensor:
     return (j >= plan.sink) & (j <= now - plan.local)
 
 
-def _mass(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def attention_mass(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """[steps, Hkv, T]: attention weights summed over each KV head's query heads, 0 off the candidates
     (reference.mass_scores over each step's causal prefix)."""
     S, Hq, D = q.shape
@@ -226,7 +226,7 @@ def _mass(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tens
     return weights * allowed
 
 
-def _int2_score(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:
+def int2_score(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:
     """[steps, Hkv, T]: max over the group's query heads of <q, INT2 round trip of k> (reference.int2_scores)."""
     S, Hq, D = q.shape
     Hkv = k.shape[0]

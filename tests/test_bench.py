@@ -81,3 +81,19 @@ def test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks():
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [row["method"] for row in rows] == ["dense", "hash", "prism-g4"]
     assert all(row["shard"] == "Shard(rank=0, size=2)" for row in rows[1:])
+
+
+def test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass(tmp_path):
+    """bench/prism_pools.py on the real model at 1K: shares lie in (0, 1], and a pool as large as the
+    candidates (rho 8 x budget 128 >= 768) with exact proposal scores keeps every layer's own choice."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "bench/prism_pools.py", "--context", "1024", "--depths", "10", "--keys", "1",
+                        "--sparsity", "8", "--rho", "2,8", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "prism-pools-1024.json").read_text())["rows"]
+    assert len(rows) == 6 and all(0 < x["mass_vs_oracle"] <= 1 + 1e-9 and 0 < x["needle_mass_kept"] <= 1 + 1e-9 for x in rows)
+    covering = next(x for x in rows if x["proposal"] == "exact" and x["rho"] == 8)
+    assert all(abs(v - 1) < 1e-6 for v in covering["per_layer"]), covering["per_layer"]
+    narrow = next(x for x in rows if x["proposal"] == "int2" and x["rho"] == 2)
+    assert narrow["mass_vs_oracle"] < covering["mass_vs_oracle"]

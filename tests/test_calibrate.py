@@ -87,15 +87,15 @@ def test_mass_objective_finds_the_best_contiguous_groups(seed):
 def test_mass_objective_scores_as_the_decode_ops_do():
     """Its per-step attention mass and INT2 proposal scores are the references' (mass_scores,
     int2_scores) for a query at that step, over that step's causal prefix."""
-    from sparse_fx.calibrate import _candidates, _int2_score, _mass
+    from sparse_fx.calibrate import attention_mass, decode_candidates, int2_score
     from sparse_fx.lowering import reference as ref
 
     g = torch.Generator().manual_seed(3)
     S, Hq, Hkv, T, D = 5, 4, 2, 50, 16
     q, k = torch.randn(S, Hq, D, generator=g), torch.randn(Hkv, T, D, generator=g)
     plan = sparse_fx.Plan.parse("prism-g2", budget=4, sink=3, local=4, int2_group=8)
-    allowed = _candidates(T, S, plan, "cpu")
-    mass, score = _mass(q, k, allowed), _int2_score(q, k, 8)
+    allowed = decode_candidates(T, S, plan, "cpu")
+    mass, score = attention_mass(q, k, allowed), int2_score(q, k, 8)
     codes, scale, zero = ref.int2_quantize(k[None], 8)
     for s in range(S):
         now = T - S + s
