@@ -2,8 +2,9 @@
 """Prism's ablation on SmolLM2-135M-Instruct (offline, CPU): index sharing with and without
 refinement, with uniform and calibrated layer roles, group-4 and group-9, rho and budget sweeps.
 
-1. Calibrate roles (`sparse_fx.calibrate`, greedy on decode cross-entropy, training split) for
-   prism and static at group 4 and 9; the plans are written to <out>/plans/.
+1. Calibrate roles (`sparse_fx.calibrate` with its default objective, the attention mass the pools
+   keep; training split, at the deployed length) for prism and static at group 4 and 9; the plans
+   are written to <out>/plans/.
 2. Main table through the quality harness (held-out text, contexts 4K and 8K, sparsity 16):
    per-layer INT2 selection (prism-g1: every layer proposes), static reuse and proposal-refine,
    uniform and calibrated, group 4 and 9: next-token agreement, cross-entropy delta, pool recall,
@@ -33,9 +34,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="4096,8192", help="contexts of the main table and the sweeps")
     ap.add_argument("--sparsity", type=int, default=16, help="budget = context // sparsity")
-    ap.add_argument("--calib-context", type=int, default=2048, help="tokens per calibration window")
-    ap.add_argument("--calib-windows", type=int, default=4, help="calibration windows (training split)")
-    ap.add_argument("--calib-steps", type=int, default=16, help="teacher-forced decode steps per calibration window")
+    ap.add_argument("--calib-context", type=int, default=4096, help="tokens per calibration window (the deployed length)")
+    ap.add_argument("--calib-windows", type=int, default=16, help="calibration windows (training split)")
+    ap.add_argument("--calib-steps", type=int, default=64, help="decode positions per calibration window (the last ones)")
     ap.add_argument("--passkey-trials", type=int, default=10, help="passkey trials per depth (main table)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="teacher-forced sparse decode steps per window")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline in minutes")
@@ -46,7 +47,7 @@ def main() -> None:
         print(save(report, a.out, final=report.get("complete", False)))
         return
     if a.quick:
-        a.contexts, a.calib_context, a.calib_windows, a.calib_steps = "1024", 512, 1, 4
+        a.contexts, a.calib_context, a.calib_windows, a.calib_steps = "1024", 1024, 1, 4
         a.passkey_trials, a.decode_tokens = 1, 16
     contexts = [int(x) for x in a.contexts.split(",")]
     out = a.out

@@ -97,7 +97,8 @@ def test_outputs_are_written(reduced):
     _, _, paths = reduced
     names = sorted(Path(p).name for p in paths)
     assert "quality-ci.json" in names and "quality-ci.md" in names
-    assert {"quality-ci-recall.png", "quality-ci-agreement.png", "quality-ci-passkey.png", "quality-ci-kept.png"} <= set(names)
+    assert {"quality-ci-recall.png", "quality-ci-agreement.png", "quality-ci-passkey.png", "quality-ci-kept.png",
+            "quality-ci-tradeoff.png"} <= set(names)
     data = json.loads(Path(paths[0]).read_text())
     assert data["meta"]["versions"]["torch"] and data["meta"]["command"].startswith("python bench/quality_sweep.py --tag ci")
     assert len(data["rows"]) == 5
