@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--calib-context", type=int, default=4096, help="tokens per calibration window (the deployed length)")
     ap.add_argument("--calib-windows", type=int, default=16, help="calibration windows (training split)")
     ap.add_argument("--calib-steps", type=int, default=64, help="decode positions per calibration window (the last ones)")
+    ap.add_argument("--objective", choices=("mass", "ce"), default="mass", help="calibration objective (sparse_fx.calibrate)")
     ap.add_argument("--passkey-trials", type=int, default=10, help="passkey trials per depth (main table)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="teacher-forced sparse decode steps per window")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline in minutes")
@@ -63,7 +64,8 @@ def main() -> None:
         for group in (4, 9):
             t0 = time.perf_counter()
             plan = sparse_fx.calibrate(model, tokenizer=tok, method=method, group=group, context=a.calib_context,
-                                       windows=a.calib_windows, steps=a.calib_steps, budget=budget, sink=128, local=128)
+                                       windows=a.calib_windows, steps=a.calib_steps, objective=a.objective, budget=budget,
+                                       sink=128, local=128)
             timings[f"{method}-g{group}"] = time.perf_counter() - t0
             path = plans_dir / f"smollm2-{method}-g{group}-calibrated.json"
             plan.save(path)
