@@ -111,11 +111,11 @@ class Steps:
         return self.prism("hash")
 
     def plans(self):
-        """(plan, its step, the layers one call covers)."""
-        return (("hash", self.hash, self.st.nl), ("prism-g4", self.prism, 4), ("prism-g4-hash", self.prism_hash, 4))
+        """(plan, its step, the layers one call covers): a hash step covers every layer, a Prism step one group."""
+        return tuple((plan, getattr(self, step), self.st.nl if plan == "hash" else 4) for plan, step in PLANS.items())
 
 
-PLANS = ("hash", "prism-g4", "prism-g4-hash")
+PLANS = {"hash": "hash", "prism-g4": "prism", "prism-g4-hash": "prism_hash"}  # plan -> its Steps method
 
 
 # ------------------------------------------------------------------------------------ bytes

@@ -54,8 +54,7 @@ def calibrate(
     texts: token windows [N, context] (LongTensor) or None for the training split of
     `sparse_fx.data` (needs `tokenizer`); the last `steps` tokens of each window are decoded
     sparsely under teacher forcing after a dense prefill of the rest (their queries, for "mass").
-    method: "prism" or
-    "static" (IndexCache-style reuse, for the ablation). plan_options: budget, sink, local, rho,
+    method: "prism" or "static" (IndexCache-style reuse, for the ablation). plan_options: budget, sink, local, rho,
     int2_group, proposal ("int2" or "hash": signature proposals, with `encoders` a directory of
     trained ones or LSH without), dense_layers. The model is left as it was.
     """
@@ -159,9 +158,9 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
                          "(rho x budget): every role assignment would pool them all; use longer windows or a smaller budget")
     kept = torch.zeros(len(sparse), len(sparse), dtype=torch.float64)  # [proposal, layer]: mass l keeps from p's pool
     best = torch.zeros(len(sparse), dtype=torch.float64)  # mass of each layer's own top-budget
+    allowed = decode_candidates(T, steps, base, ids.device)
     for w in tqdm(range(N), desc=f"calibrate {base.name} (mass)", disable=not progress):
         layers = capture(model, ids[w : w + 1], steps)
-        allowed = decode_candidates(T, steps, base, ids.device)
         mass = [attention_mass(*layers[i], allowed) for i in sparse]
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
         for a, p in enumerate(sparse):
@@ -170,8 +169,10 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
             pool = _top(score, base.pool)  # (non-candidates it may hold have no mass)
             own = pool.gather(-1, _top(score.gather(-1, pool), base.budget))  # the proposal's own choice
             for b in range(a, len(sparse)):
-                at_pool = mass[b].gather(-1, pool)
-                chosen = own if b == a or not handler.refine else pool.gather(-1, _top(at_pool, base.budget))
+                if b == a or not handler.refine:
+                    chosen = own
+                else:  # a refined layer: its own best within the pool
+                    chosen = pool.gather(-1, _top(mass[b].gather(-1, pool), base.budget))
                 kept[a, b] += float(mass[b].gather(-1, chosen).sum())
     share = kept / best.clamp(min=1e-30)
     leads = _best_leads(share, math.ceil(len(sparse) / base.group))
