@@ -115,9 +115,10 @@ def mask_readable(mask_ptr, b, h, cols, active, smb, smh, sml, min_half,
 @triton.jit
 def row_chunk(now, first, p, N, sink, local, PROGS, BLOCK: tl.constexpr, HAS_POS: tl.constexpr):
     """A selection row's candidate range [lo, hi) (cache slots between the sink and the local
-    window, or all N entries of a pool) and the block range [blk, end) of program p's chunk of it."""
+    window, or all N entries of a pool) and the block range [blk, end) of program p's chunk of it.
+    int32 throughout: a row holds fewer than 2**31 candidates (the row pointers carry the int64 part)."""
     if HAS_POS:
-        lo, hi = tl.zeros([], tl.int64), tl.zeros([], tl.int64) + N
+        lo, hi = tl.zeros([], tl.int32), tl.zeros([], tl.int32) + N
     else:
         lo, hi = first + sink, tl.minimum(now - local + 1, N)
     blk, end = chunk_of(p, lo, hi, PROGS, BLOCK)

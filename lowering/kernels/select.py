@@ -105,10 +105,12 @@ def _score_keys_block(
 ):
     live = (offs >= lo_c) & (offs < hi_c)
     if HAS_POS:
-        cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1).to(tl.int64)
-    else:
-        cand = offs.to(tl.int64)
-    elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
+        cand = tl.load(pos_row + offs * spn, mask=live, other=-1).to(tl.int32)
+        elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
+    else:  # [lo_c, hi_c) already lies between the sink and the local window: only the mask is left
+        elig = live
+        if HAS_MASK:
+            elig = mask_readable(mask_b, 0, h, tl.minimum(offs, L - 1), live, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
     if KIND == 0:
         s = tl.load(scores_row + offs * ssn, mask=elig, other=0.0).to(tl.float32)
         elig = elig & (s == s) & (s > float("-inf"))
@@ -145,7 +147,7 @@ def _score_keys_kernel(
     mask_b = mask_ptr + b * smb
     keys_row = keys_ptr + r.to(tl.int64) * N
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
-    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     base = tl.arange(0, BLOCK)
     acc = tl.zeros([1 << LB], tl.int32)
@@ -175,7 +177,7 @@ def _hist_kernel(
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, _ = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
-    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     prefix, _, _, _, _, _ = descend(cum_ptr, r, p, R, PROGS, K, LEVEL, LB, P_PAD)
     keys_row = keys_ptr + r.to(tl.int64) * N
@@ -205,7 +207,7 @@ def _take_block(keys_row, pos_row, offs, lo_c, hi_c, spn, out_row, sok, thr, ski
     live = (offs >= lo_c) & (offs < hi_c)
     key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
     if HAS_POS:
-        cand = tl.load(pos_row + offs.to(tl.int64) * spn, mask=live, other=-1)
+        cand = tl.load(pos_row + offs * spn, mask=live, other=-1)
     else:
         cand = offs
     live = live & (key > 0)
@@ -235,7 +237,7 @@ def _select_kernel(
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
-    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     # the threshold key, the counts above it and tied with it, and this chunk's share before it
     thr, need, above, a_run, ties, t_run = descend(cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)

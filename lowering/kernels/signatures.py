@@ -14,7 +14,7 @@ from triton.language.extra import libdevice
 
 from ..reference import WORD_BITS, hamming_dtype
 from .common import (
-    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, eligible, interpreting, on_kernel_device, pow2,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, mask_readable, on_kernel_device, pow2,
     programs_per_row, row_chunk, row_of,
 )
 
@@ -229,23 +229,26 @@ def _popcount(x, HW_POPC: tl.constexpr):
 
 @triton.jit
 def _hash_keys_block(
-    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, L, min_half, scored,
-    skl, skw, smh, sml, qall, acc,
+    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, L, min_half, scored,
+    skl, skw, smh, sml, qflat, acc,
     G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, KEY_BITS: tl.constexpr,
     LB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     HW_POPC: tl.constexpr,
 ):
-    live = (offs >= lo_c) & (offs < hi_c)
-    cand = offs.to(tl.int64)
-    elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
-    gi = tl.arange(0, G_PAD)
-    wi = tl.arange(0, W_PAD)
+    """Keys of one block of cache slots. Offsets are int32 (a row holds < 2**31 slots; the row
+    pointers carry the int64 part), and [lo_c, hi_c) already excludes the sink and the local
+    window, so eligibility is the range and the mask: a third of the instructions of `eligible`."""
+    elig = (offs >= lo_c) & (offs < hi_c)
+    live = elig
+    if HAS_MASK:
+        elig = mask_readable(mask_b, 0, h, tl.minimum(offs, L - 1), elig, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+    qi = tl.arange(0, W_PAD * G_PAD)
     dist = tl.zeros(offs.shape, tl.int32)
     for w in tl.static_range(W):
-        kw = tl.load(k_row + cand * skl + w * skw, mask=elig & scored, other=0)
-        qw = tl.sum(tl.where(wi[:, None] == w, qall, 0), axis=0)  # [G_PAD] query words
-        pc = _popcount(kw[:, None] ^ qw[None, :], HW_POPC)
-        dist += tl.sum(tl.where(gi[None, :] < G, pc, 0), axis=1)
+        kw = tl.load(k_row + offs * skl + w * skw, mask=elig & scored, other=0)
+        for g in tl.static_range(G):  # one query word at a time: [BLOCK] vectors only, no cross-lane sums
+            qw = tl.sum(tl.where(qi == w * G_PAD + g, qflat, 0), axis=0)
+            dist += _popcount(kw ^ qw, HW_POPC)
     key = tl.where(scored, G * W * 32 - dist + 1, 1)  # nothing to rank when all are taken
     key = tl.where(elig, key, 0)
     tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
@@ -273,18 +276,19 @@ def _hash_keys_kernel(
     p, r = tl.program_id(0), tl.program_id(1)
     b, h = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
-    now, first = tl.load(tpos_ptr).to(tl.int64), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int64)
+    now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, False)
     scored = (hi_c - lo_c) > K
     gi = tl.arange(0, G_PAD)
-    wi = tl.arange(0, W_PAD)
+    qi = tl.arange(0, W_PAD * G_PAD)
     j = tl.arange(0, 32)
-    qall = tl.zeros([W_PAD, G_PAD], tl.int32)
+    qflat = tl.zeros([W_PAD * G_PAD], tl.int32)  # query word (w, g) at w * G_PAD + g
     for w in tl.static_range(W):
         x = tl.load(q_ptr + b * sqb + (h * G + gi)[:, None] * sqh + (w * 32 + j)[None, :] * sqd,
                     mask=(gi < G)[:, None], other=0.0)
         word = tl.sum((x > 0).to(tl.int32) << j[None, :], axis=1)  # distinct bits: the sum is the OR
-        qall = tl.where(wi[:, None] == w, word[None, :], qall)
+        for g in tl.static_range(G):
+            qflat = tl.where(qi == w * G_PAD + g, tl.sum(tl.where(gi == g, word, 0), axis=0), qflat)
     k_row = k_ptr + b * skb + h * skh
     mask_b = mask_ptr + b * smb
     keys_row = keys_ptr + r.to(tl.int64) * N
@@ -292,13 +296,13 @@ def _hash_keys_kernel(
     acc = tl.zeros([1 << LB], tl.int32)
     if USE_FOR:
         for i in tl.range(blk, end):
-            acc = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first, now, sink, local,
-                                   L, min_half, scored, skl, skw, smh, sml, qall, acc,
+            acc = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, L, min_half, scored,
+                                   skl, skw, smh, sml, qflat, acc,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
     else:
         while blk < end:
-            acc = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first, now, sink, local,
-                                   L, min_half, scored, skl, skw, smh, sml, qall, acc,
+            acc = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, L, min_half, scored,
+                                   skl, skw, smh, sml, qflat, acc,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
             blk += 1
     tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))
