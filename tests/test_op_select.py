@@ -201,6 +201,20 @@ def test_hash_select_takes_everything_when_the_budget_covers_the_row():
     assert (out[..., 8 + 293 :] == -1).all()
 
 
+def test_rows_longer_than_a_packed_count():
+    """16-bin radix levels count in 8-bit fields, one key per block and slot, so a program may own
+    at most 255 blocks: a row of 263 blocks of 8 on one program per row (4 rows, waves=1) must be
+    split. Identical signatures put every key in one bin."""
+    g = gen(34)
+    B, Hkv, L, now = 1, 4, 2112, 2100
+    pos = torch.tensor([now], device=DEV)
+    q_logits = torch.randn(B, Hkv * 4, 32, generator=g).to(DEV)
+    k_sig = torch.full((B, Hkv, L, 1), 12345, dtype=torch.int32, device=DEV)
+    out = K.hash_select(q_logits, k_sig, pos, 300, 8, 8, block=8, waves=1, level_bits=4).cpu()
+    assert torch.equal(out, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 300, 8, 8))
+    assert torch.equal(out[0, 0, 16:], torch.arange(now - 8 - 299, now - 7, dtype=torch.int32))  # ties: the latest
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind,L,k", [("hamming", 131072, 4096), ("float", 131072, 16384), ("ties", 16384, 4096)])

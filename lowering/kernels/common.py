@@ -160,6 +160,54 @@ def eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, s
     return ok
 
 
+# ------------------------------------------------------------------------------ radix counts
+# A radix level's bin counts. tl.histogram costs a ballot per digit bit and a shared-memory merge
+# per block; for 16 bins it is cheaper to count per slot (each thread's element of the block) in
+# four words of four 8-bit fields, merged once at the end of the chunk: a field counts one key per
+# block, so a chunk may hold at most PACKED_RUN blocks (launchers size programs so that it does).
+PACKED_RUN = 255
+
+
+@triton.jit
+def counts_zero(BLOCK: tl.constexpr, NB: tl.constexpr):
+    if NB == 16:
+        z = tl.zeros([BLOCK], tl.int32)
+    else:
+        z = tl.zeros([NB], tl.int32)
+    return z, z, z, z
+
+
+@triton.jit
+def count(c0, c1, c2, c3, digit, ok, NB: tl.constexpr):
+    """Add the digits (0 <= digit < NB) where ok: packed per slot for 16 bins, else a histogram in c0."""
+    if NB == 16:
+        one = tl.where(ok, 1 << ((digit & 3) * 8), 0)
+        w = digit >> 2
+        c0 += tl.where(w == 0, one, 0)
+        c1 += tl.where(w == 1, one, 0)
+        c2 += tl.where(w == 2, one, 0)
+        c3 += tl.where(w == 3, one, 0)
+    else:
+        c0 += tl.histogram(digit, NB, mask=ok)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def counts_total(c0, c1, c2, c3, NB: tl.constexpr):
+    """[NB] bin counts of what `count` gathered."""
+    if NB == 16:
+        bins = tl.arange(0, 16)
+        acc = tl.zeros([16], tl.int32)
+        for f in tl.static_range(4):
+            acc += tl.where(bins == f, tl.sum((c0 >> (8 * f)) & 255, 0), 0)
+            acc += tl.where(bins == 4 + f, tl.sum((c1 >> (8 * f)) & 255, 0), 0)
+            acc += tl.where(bins == 8 + f, tl.sum((c2 >> (8 * f)) & 255, 0), 0)
+            acc += tl.where(bins == 12 + f, tl.sum((c3 >> (8 * f)) & 255, 0), 0)
+    else:
+        acc = c0
+    return acc
+
+
 def upcast_dot(dtype: torch.dtype) -> bool:
     """The interpreter multiplies bf16 operands as raw 16-bit integers (np.matmul on the bit
     patterns): upcast them to fp32 there. On the GPU bf16 goes to the tensor cores as is."""

@@ -28,8 +28,8 @@ import triton.language as tl
 
 from ..reference import WORD_BITS
 from .common import (
-    FLOAT_DTYPES, STREAM_WAVES, MaskView, eligible, interpreting, mask_readable, on_kernel_device,
-    row_chunk, row_of, pow2, programs_per_row,
+    FLOAT_DTYPES, PACKED_RUN, STREAM_WAVES, MaskView, count, counts_total, counts_zero, eligible, interpreting,
+    mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row,
 )
 
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
@@ -99,7 +99,7 @@ def descend(cum_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_
 @triton.jit
 def _score_keys_block(
     scores_row, pos_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, L, min_half,
-    ssn, spn, smh, sml, acc,
+    ssn, spn, smh, sml, c0, c1, c2, c3,
     HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     KIND: tl.constexpr, LB: tl.constexpr,
 ):
@@ -123,7 +123,7 @@ def _score_keys_block(
         key = tl.maximum(tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 32768, 1)
     key = tl.where(elig, key, 0)
     tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
-    return acc + tl.histogram(key >> (16 - LB), 1 << LB, mask=elig)
+    return count(c0, c1, c2, c3, key >> (16 - LB), elig, 1 << LB)
 
 
 @triton.jit
@@ -150,18 +150,19 @@ def _score_keys_kernel(
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     base = tl.arange(0, BLOCK)
-    acc = tl.zeros([1 << LB], tl.int32)
+    c0, c1, c2, c3 = counts_zero(BLOCK, 1 << LB)
     if USE_FOR:
         for i in tl.range(blk, end):
-            acc = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first, now,
-                                    sink, local, L, min_half, ssn, spn, smh, sml, acc,
-                                    HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
+            c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first,
+                                               now, sink, local, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
+                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
     else:
         while blk < end:
-            acc = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first, now,
-                                    sink, local, L, min_half, ssn, spn, smh, sml, acc,
-                                    HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
+            c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first,
+                                               now, sink, local, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
+                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
             blk += 1
+    acc = counts_total(c0, c1, c2, c3, 1 << LB)
     tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))
 
 
@@ -184,18 +185,19 @@ def _hist_kernel(
     base = tl.arange(0, BLOCK)
     NB: tl.constexpr = 1 << LB
     SHIFT: tl.constexpr = KEY_BITS - (LEVEL + 1) * LB
-    acc = tl.zeros([NB], tl.int32)
+    c0, c1, c2, c3 = counts_zero(BLOCK, NB)
     if USE_FOR:
         for j in tl.range(blk, end):
             offs = j * BLOCK + base
             key = tl.load(keys_row + offs, mask=(offs >= lo_c) & (offs < hi_c), other=0).to(tl.int32) & 0xFFFF
-            acc += tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=(key > 0) & ((key >> (SHIFT + LB)) == prefix))
+            c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
     else:
         while blk < end:
             offs = blk * BLOCK + base
             key = tl.load(keys_row + offs, mask=(offs >= lo_c) & (offs < hi_c), other=0).to(tl.int32) & 0xFFFF
-            acc += tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=(key > 0) & ((key >> (SHIFT + LB)) == prefix))
+            c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
             blk += 1
+    acc = counts_total(c0, c1, c2, c3, NB)
     tl.store(cum_ptr + ((LEVEL * R + r) * PROGS + p) * NB + tl.arange(0, NB), tl.cumsum(acc, 0, reverse=True))
 
 
@@ -293,6 +295,7 @@ def _selection_supported(pos, k, sink, local, mask, start, batch: int, n: int) -
         and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
         and (start is None or (start.dim() == 1 and start.shape[0] == batch and not start.is_floating_point()))
         and n < 2**31 - 2 * (k + sink + local)
+        and n <= MAX_PROGS * PACKED_RUN * 1024  # plan_programs at the smallest block the launchers use
     )
 
 
@@ -307,8 +310,13 @@ def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None
 
 
 def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int = STREAM_WAVES) -> int:
-    """Programs per row: enough rows x programs for `waves` per SM, at most one per block."""
-    return min(MAX_PROGS, programs_per_row(R, triton.cdiv(max(N, 1), block), device, waves=waves))
+    """Programs per row: enough rows x programs for `waves` per SM, at most one per block, and
+    enough that no chunk exceeds PACKED_RUN blocks (the packed 16-bin counts)."""
+    blocks = triton.cdiv(max(N, 1), block)
+    progs = max(min(MAX_PROGS, programs_per_row(R, blocks, device, waves=waves)), triton.cdiv(blocks, PACKED_RUN))
+    if progs > MAX_PROGS:
+        raise ValueError(f"select: {N} candidates a row need more than {MAX_PROGS} programs of {block}-key blocks")
+    return progs
 
 
 def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps):

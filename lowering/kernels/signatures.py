@@ -14,7 +14,7 @@ from triton.language.extra import libdevice
 
 from ..reference import WORD_BITS, hamming_dtype
 from .common import (
-    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, mask_readable, on_kernel_device, pow2,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, count, counts_total, counts_zero, interpreting, mask_readable, on_kernel_device, pow2,
     programs_per_row, row_chunk, row_of,
 )
 
@@ -230,7 +230,7 @@ def _popcount(x, HW_POPC: tl.constexpr):
 @triton.jit
 def _hash_keys_block(
     k_row, mask_b, keys_row, h, offs, lo_c, hi_c, L, min_half, scored,
-    skl, skw, smh, sml, qflat, acc,
+    skl, skw, smh, sml, qflat, c0, c1, c2, c3,
     G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, KEY_BITS: tl.constexpr,
     LB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     HW_POPC: tl.constexpr,
@@ -252,7 +252,7 @@ def _hash_keys_block(
     key = tl.where(scored, G * W * 32 - dist + 1, 1)  # nothing to rank when all are taken
     key = tl.where(elig, key, 0)
     tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
-    return acc + tl.histogram(key >> (KEY_BITS - LB), 1 << LB, mask=elig)
+    return count(c0, c1, c2, c3, key >> (KEY_BITS - LB), elig, 1 << LB)
 
 
 @triton.jit
@@ -293,16 +293,17 @@ def _hash_keys_kernel(
     mask_b = mask_ptr + b * smb
     keys_row = keys_ptr + r.to(tl.int64) * N
     base = tl.arange(0, BLOCK)
-    acc = tl.zeros([1 << LB], tl.int32)
+    c0, c1, c2, c3 = counts_zero(BLOCK, 1 << LB)
     if USE_FOR:
         for i in tl.range(blk, end):
-            acc = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, L, min_half, scored,
-                                   skl, skw, smh, sml, qflat, acc,
+            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, L, min_half, scored,
+                                   skl, skw, smh, sml, qflat, c0, c1, c2, c3,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
     else:
         while blk < end:
-            acc = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, L, min_half, scored,
-                                   skl, skw, smh, sml, qflat, acc,
+            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, L, min_half, scored,
+                                   skl, skw, smh, sml, qflat, c0, c1, c2, c3,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
             blk += 1
+    acc = counts_total(c0, c1, c2, c3, 1 << LB)
     tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))
