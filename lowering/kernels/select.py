@@ -98,7 +98,7 @@ def descend(cum_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_
 # ------------------------------------------------------------------------------ key pass (scores)
 @triton.jit
 def _score_keys_block(
-    scores_row, pos_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, L, min_half,
+    scores_row, pos_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, N, L, min_half,
     ssn, spn, smh, sml, c0, c1, c2, c3,
     HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     KIND: tl.constexpr, LB: tl.constexpr,
@@ -110,19 +110,22 @@ def _score_keys_block(
     else:  # [lo_c, hi_c) already lies between the sink and the local window: only the mask is left
         elig = live
         if HAS_MASK:
-            elig = mask_readable(mask_b, 0, h, tl.minimum(offs, L - 1), live, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+            elig = live & mask_readable(mask_b, 0, h, offs, offs < L, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+    # Loads and the store cover the row's whole blocks (offs < N: in bounds, and a mask Triton can
+    # vectorise), values outside [lo_c, hi_c) are masked: a block belongs to one program only.
+    row = offs < N
     if KIND == 0:
-        s = tl.load(scores_row + offs * ssn, mask=elig, other=0.0).to(tl.float32)
+        s = tl.load(scores_row + offs * ssn, mask=row, other=0.0).to(tl.float32)
         elig = elig & (s == s) & (s > float("-inf"))
         key = float_key16(s)
     elif KIND == 1:
-        key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 1
+        key = tl.load(scores_row + offs * ssn, mask=row, other=0).to(tl.int32) + 1
     elif KIND == 2:
-        key = tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 129
+        key = tl.load(scores_row + offs * ssn, mask=row, other=0).to(tl.int32) + 129
     else:  # int16: -32768 shares key 1 with -32767 (16-bit keys keep 0 for "not a candidate")
-        key = tl.maximum(tl.load(scores_row + offs * ssn, mask=elig, other=0).to(tl.int32) + 32768, 1)
+        key = tl.maximum(tl.load(scores_row + offs * ssn, mask=row, other=0).to(tl.int32) + 32768, 1)
     key = tl.where(elig, key, 0)
-    tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
+    tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=row)
     return count(c0, c1, c2, c3, key >> (16 - LB), elig, 1 << LB)
 
 
@@ -154,12 +157,12 @@ def _score_keys_kernel(
     if USE_FOR:
         for i in tl.range(blk, end):
             c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first,
-                                               now, sink, local, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
+                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
                                                HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
     else:
         while blk < end:
             c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first,
-                                               now, sink, local, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
+                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
                                                HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
             blk += 1
     acc = counts_total(c0, c1, c2, c3, 1 << LB)
@@ -189,12 +192,14 @@ def _hist_kernel(
     if USE_FOR:
         for j in tl.range(blk, end):
             offs = j * BLOCK + base
-            key = tl.load(keys_row + offs, mask=(offs >= lo_c) & (offs < hi_c), other=0).to(tl.int32) & 0xFFFF
+            key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
+            key = tl.where((offs >= lo_c) & (offs < hi_c), key, 0)
             c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
     else:
         while blk < end:
             offs = blk * BLOCK + base
-            key = tl.load(keys_row + offs, mask=(offs >= lo_c) & (offs < hi_c), other=0).to(tl.int32) & 0xFFFF
+            key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
+            key = tl.where((offs >= lo_c) & (offs < hi_c), key, 0)
             c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
             blk += 1
     acc = counts_total(c0, c1, c2, c3, NB)
@@ -203,11 +208,11 @@ def _hist_kernel(
 
 # ------------------------------------------------------------------------------ select pass
 @triton.jit
-def _take_block(keys_row, pos_row, offs, lo_c, hi_c, spn, out_row, sok, thr, skip, a_run, t_run, HAS_POS: tl.constexpr):
+def _take_block(keys_row, pos_row, offs, lo_c, hi_c, N, spn, out_row, sok, thr, skip, a_run, t_run, HAS_POS: tl.constexpr):
     """Write the taken candidates of one block at their ranks; returns the updated running counts.
     (The positions of a pool are read here but feed only stored values, never an address.)"""
     live = (offs >= lo_c) & (offs < hi_c)
-    key = tl.load(keys_row + offs, mask=live, other=0).to(tl.int32) & 0xFFFF
+    key = tl.where(live, tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF, 0)
     if HAS_POS:
         cand = tl.load(pos_row + offs * spn, mask=live, other=-1)
     else:
@@ -253,11 +258,11 @@ def _select_kernel(
     base = tl.arange(0, BLOCK)
     if USE_FOR:
         for jb in tl.range(blk, end):
-            a_run, t_run = _take_block(keys_row, pos_row, jb * BLOCK + base, lo_c, hi_c, spn, out_row, sok, thr, skip,
+            a_run, t_run = _take_block(keys_row, pos_row, jb * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok, thr, skip,
                                        a_run, t_run, HAS_POS)
     else:
         while blk < end:
-            a_run, t_run = _take_block(keys_row, pos_row, blk * BLOCK + base, lo_c, hi_c, spn, out_row, sok, thr, skip,
+            a_run, t_run = _take_block(keys_row, pos_row, blk * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok, thr, skip,
                                        a_run, t_run, HAS_POS)
             blk += 1
 

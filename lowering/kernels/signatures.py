@@ -229,7 +229,7 @@ def _popcount(x, HW_POPC: tl.constexpr):
 
 @triton.jit
 def _hash_keys_block(
-    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, L, min_half, scored,
+    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, N, L, min_half, scored,
     skl, skw, smh, sml, qflat, c0, c1, c2, c3,
     G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, KEY_BITS: tl.constexpr,
     LB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
@@ -239,19 +239,19 @@ def _hash_keys_block(
     pointers carry the int64 part), and [lo_c, hi_c) already excludes the sink and the local
     window, so eligibility is the range and the mask: a third of the instructions of `eligible`."""
     elig = (offs >= lo_c) & (offs < hi_c)
-    live = elig
+    row = offs < N  # loads and the store cover whole blocks (vectorised); a block is one program's
     if HAS_MASK:
-        elig = mask_readable(mask_b, 0, h, tl.minimum(offs, L - 1), elig, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+        elig = elig & mask_readable(mask_b, 0, h, offs, offs < L, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
     qi = tl.arange(0, W_PAD * G_PAD)
     dist = tl.zeros(offs.shape, tl.int32)
     for w in tl.static_range(W):
-        kw = tl.load(k_row + offs * skl + w * skw, mask=elig & scored, other=0)
+        kw = tl.load(k_row + offs * skl + w * skw, mask=row & scored, other=0)
         for g in tl.static_range(G):  # one query word at a time: [BLOCK] vectors only, no cross-lane sums
             qw = tl.sum(tl.where(qi == w * G_PAD + g, qflat, 0), axis=0)
             dist += _popcount(kw ^ qw, HW_POPC)
     key = tl.where(scored, G * W * 32 - dist + 1, 1)  # nothing to rank when all are taken
     key = tl.where(elig, key, 0)
-    tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=live)
+    tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=row)
     return count(c0, c1, c2, c3, key >> (KEY_BITS - LB), elig, 1 << LB)
 
 
@@ -296,12 +296,12 @@ def _hash_keys_kernel(
     c0, c1, c2, c3 = counts_zero(BLOCK, 1 << LB)
     if USE_FOR:
         for i in tl.range(blk, end):
-            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, L, min_half, scored,
+            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, N, L, min_half, scored,
                                    skl, skw, smh, sml, qflat, c0, c1, c2, c3,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
     else:
         while blk < end:
-            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, L, min_half, scored,
+            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, N, L, min_half, scored,
                                    skl, skw, smh, sml, qflat, c0, c1, c2, c3,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
             blk += 1
