@@ -4,17 +4,24 @@
 The quality harness (`sparse_fx.harness`) decodes token by token through the compiled model: the
 product's path, but about 90 s per 256 tokens of one plan at 4K on 2 CPU cores, so its model-level
 numbers rest on one window of 256 tokens, where one token is 0.4%. Teacher-forced sparse decoding
-is one forward pass in which each of the last `span` positions attends only to what the plan would
-select for it (the first `sink` and last `local` keys up to it, and the top n/s of the rest by the
-plan's score, a KV head choosing for its query heads) while earlier positions attend densely: later
-layers then read keys and values computed from sparse hidden states, as in decode. On the harness's
-window and tokens it gives the harness's numbers (tests/test_quality.py checks it); here it runs
-8-16 windows of 1024 tokens each in minutes on a CPU, seconds on a GPU.
+is one forward pass in which each of the last `span` positions attends only to what the plan's
+decode step would select for it while earlier positions attend densely: later layers then read
+keys and values computed from sparse hidden states, as in decode. The selection is the product's
+own (`Selector`: the plan's method, its ops run eagerly on one row per position), so every plan
+runs: dense, oracle, hash, hash-b<bits>, prism-g<G>[-hash], static-g<G>[-hash], calibrated plan
+files, and any of them with -mass<p>. On the harness's window and tokens it gives the harness's
+agreement and tokens kept, and its CE delta to ~1e-6 (tests/test_quality.py checks it; floats
+round differently in one pass, which rarely swaps one key that sits within an ulp of a score
+bucket's edge). A window costs, per plan, 0.2-0.5 s on an H200 at 8K tokens (span 256 or 1024),
+and 20-30 s on 2 CPU cores at 2K with a span of 128 (the reference ops score every row's keys:
+the cost grows as span x context).
 
-Plans: dense, oracle, hash, hash-b<bits>, plan files; `--encoders DIR` adds learned `hash` per DIR.
-Prism and static plans are not supported (their INT2 proposal layers need the runtime's caches).
+--plans takes plan names and plan files, as bench/quality_sweep.py does; `--encoders DIR` adds a
+learned row, per DIR, of every signature plan in --plans (hash, prism-g<G>-hash) of its width.
 
     python bench/teacher_agreement.py --contexts 2048,4096,8192 --windows 8 --encoders ~/.cache/sparse_fx/encoders/smollm2-b32
+    python bench/teacher_agreement.py --plans oracle,hash,prism-g4,static-g4,prism-g4-hash,bench/results/plans/smollm2-prism-g4-calibrated-mass.json \\
+        --sparsity 16,32 --windows 16 --span 256
 Writes <out>/agreement.json, .md and .png (agreement-<tag>.* with --tag).
 """
 
@@ -31,59 +38,98 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface
 
 import sparse_fx
+from sparse_fx.api import _load_encoders
+from sparse_fx.compiled import CompiledState
 from sparse_fx.data import token_windows
-from sparse_fx.models import load_model
-from sparse_fx.lowering.reference import kept, selection_keys
+from sparse_fx.graph import EagerEmitter
+from sparse_fx.methods import Site
 from sparse_fx.model_info import ModelInfo
-from sparse_fx.runtime.encoders import Encoders, SignatureEncoders, apply_head_mlp
-from sparse_fx.train import oracle_scores
+from sparse_fx.models import load_model
+from sparse_fx.runtime.caches import KVShape
+from sparse_fx.runtime.encoders import Encoders, SignatureEncoders
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
 ATTENTION = "sparse_fx_teacher_mask"
+ROW_KEYS = 2**20  # query rows x keys selected at once: bounds what the ops materialise per row (INT2 keys, logits)
 
 
 class Selector:
-    """The plan's selection for the last `span` query positions of a sequence, per layer and KV head."""
+    """What the product's decode step selects for each of the last E positions of a sequence.
+
+    The plan's method chooses (`Method.select`, its graph ops run eagerly, as `attach_cache` runs
+    its side-cache writes) on a batch of decode steps, one row per position: row r holds the keys
+    and side cache up to its position, left-padded so that its query sits in the last slot, and
+    its sink starts at its first real slot (the product's left-padding path). So scores, ties,
+    sink, local window, Prism pools and mass cuts are the product's, on caches as long as the
+    harness's. A Prism proposal layer's pool reaches later layers through `carry`, as in the
+    decode graph: call `begin` before each forward."""
 
     def __init__(self, plan: sparse_fx.Plan, model, budget: int):
-        if plan.method not in ("oracle", "hash"):
-            raise ValueError(f"bench/teacher_agreement.py: plan {plan.name!r} is not supported; valid: dense, oracle, hash, hash-b<bits>")
-        c = model.config
-        self.plan, self.budget = plan, budget
-        self.roles = sparse_fx.methods.get(plan.method).roles(plan, c.num_hidden_layers, set(plan.dense_layers))
-        self.shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        trained = SignatureEncoders.load(plan.encoders) if plan.encoders else None
-        if trained is not None:
-            trained.check(ModelInfo.of(model).fingerprint(model))
-        self.encoders = Encoders(plan.bits, plan.seed, trained) if plan.method == "hash" else None
+        plan = sparse_fx.Plan.parse(plan, budget=budget)
+        info, method = ModelInfo.of(model), sparse_fx.methods.get(plan.method)
+        method.check(info, plan)
+        trained = _load_encoders(plan.encoders, model, info, plan) if plan.encoders else None
+        self.state = CompiledState(plan=plan, info=info, method=method, encoders=Encoders(plan.bits, plan.seed, trained),
+                                   backend="eager")
+        self.emit = EagerEmitter()
+        self.begin()
 
-    def scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-        """[Hkv, E, T], higher first: summed over a KV head's query heads, as the served kernels do."""
-        if self.encoders is None:
-            return oracle_scores(layer, q, k, positions, scale)
-        # Signs: the dot of two sign vectors is bits - 2 * Hamming distance, the served score's order
-        # (lowering.reference.hamming_scores scores one query at a time; this takes all E at once).
-        Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
-        enc = self.encoders.layer(layer, *self.shape, q.device)
-        qs = torch.sign(apply_head_mlp(q[None], *enc.query.params()))[0]
-        ks = torch.sign(apply_head_mlp(k[None], *enc.key.params()))[0].repeat_interleave(G, 0)
-        s = qs @ ks.transpose(-1, -2)
-        return s.reshape(Hkv, G, *s.shape[1:]).sum(1)
+    def begin(self) -> None:
+        """A new forward: no pool carried yet, no tokens counted."""
+        self.carry: dict = {}
+        self.chosen, self.slots = 0, 0
 
-    def mask(self, layer: int, q, k, positions, scale) -> torch.Tensor:
-        """[Hkv, E, T] bool: the keys each of the last E positions reads."""
-        T = k.shape[1]
-        key = torch.arange(T, device=k.device)[None, :]
-        visible = key <= positions[:, None]
-        keep = kept(key, positions[:, None], self.plan.sink, self.plan.local) & visible
-        # the served ranking: keys as the kernels compare them, equal keys to the most recent position
-        ranked = selection_keys(self.scores(layer, q, k, positions, scale).float()) * (T + 1) + key
-        ranked = ranked.masked_fill(~visible[None] | keep[None], torch.iinfo(torch.int64).min)
-        top = torch.topk(ranked, self.budget, -1)
-        chosen = torch.zeros(ranked.shape, dtype=torch.bool, device=k.device)
-        chosen.scatter_(2, top.indices, top.values > torch.iinfo(torch.int64).min)
-        return (chosen | keep[None]) & visible[None]
+    @property
+    def kept(self) -> float:
+        """Tokens chosen by score per step and KV head in this forward (the budget; fewer under mass < 1)."""
+        return float(self.chosen) / self.slots
+
+    def mask(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+        """[B, Hkv, E, T] bool: the keys each of the last E positions reads (q [B, Hq, E, D], k [B, Hkv, T, D])."""
+        E, T = q.shape[2], k.shape[2]
+        side = self._side_cache(layer, k)
+        step = max(1, ROW_KEYS // T)
+        out = []
+        for b in range(k.shape[0]):
+            padded = {name: left_pad(t[b], E - 1) for name, t in {"k": k, **side}.items()}
+            chunks = [self._rows(layer, q[b, :, lo : lo + step], padded, lo, E, scale, self.carry.setdefault((b, lo), {}))
+                      for lo in range(0, E, step)]
+            out.append(torch.cat(chunks, 1))
+        return torch.stack(out)
+
+    def _side_cache(self, layer: int, k: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer's side cache (INT2 keys, signatures, or none) for the whole sequence, as the product writes it."""
+        s, kv = self.state, KVShape.of(k)
+        specs = s.method.side_cache(s.role(layer), kv, s.plan)
+        if not specs:
+            return {}
+        side = s.side_caches.layer(layer, kv, specs)
+        s.method.write(self.emit, s, layer, kv, side, k, torch.arange(kv.max_len, device=k.device))
+        return side
+
+    def _rows(self, layer: int, q: torch.Tensor, padded: dict, lo: int, E: int, scale: float, carry: dict) -> torch.Tensor:
+        """[Hkv, R, T] bool for rows lo..lo+R-1 of E (q [Hq, R, D]): one decode step each."""
+        R, dev = q.shape[1], q.device
+        T = padded["k"].shape[1] - (E - 1)
+        start = E - 1 - torch.arange(lo, lo + R, device=dev)  # row r: position T - E + r, first real slot E - 1 - r
+        rows = {name: t[:, lo : lo + R - 1 + T].unfold(1, T, 1).movedim(-1, 2).transpose(0, 1) for name, t in padded.items()}
+        keys = rows.pop("k")  # [R, Hkv, T, D], views of the padded sequence
+        site = Site(layer=layer, role=self.state.role(layer), q=q.transpose(0, 1)[:, :, None], k=keys, v=None,
+                    mask=(torch.arange(T, device=dev) >= start[:, None])[:, None, None], scale=scale,
+                    pos=torch.tensor([T - 1], device=dev), start=start.int(), kv=KVShape.of(keys), q_heads=q.shape[0],
+                    side=rows, carry=carry)
+        idx = self.state.method.select(self.emit, self.state, site).indices.long()  # [R, Hkv, K] slots, -1 none
+        self.chosen += (idx[..., self.state.plan.window :] >= 0).sum()
+        self.slots += idx.shape[0] * idx.shape[1]
+        position = torch.where(idx >= 0, idx - start[:, None, None], T)  # T: nowhere (dropped below)
+        chosen = torch.zeros(*idx.shape[:2], T + 1, dtype=torch.bool, device=dev).scatter_(2, position, True)
+        return chosen[..., :T].transpose(0, 1)
+
+
+def left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [H, T, *tail] behind n zero slots (masked in every row that has them)."""
+    return torch.cat([t.new_zeros(t.shape[0], n, *t.shape[2:]), t], 1)
 
 
 class TeacherMask:
@@ -100,31 +146,40 @@ class TeacherMask:
         scale = D**-0.5 if scaling is None else scaling
         k, v = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
         head = F.scaled_dot_product_attention(query[:, :, : T - E], k[:, :, : T - E], v[:, :, : T - E], is_causal=True, scale=scale)
-        positions = torch.arange(T - E, T, device=query.device)
-        if self.selector.roles[module.layer_idx] == "dense":
+        if self.selector.state.role(module.layer_idx) == "dense":
+            positions = torch.arange(T - E, T, device=query.device)
             allowed = (torch.arange(T, device=query.device)[None, :] <= positions[:, None])[None, None]
         else:
-            allowed = torch.stack([self.selector.mask(module.layer_idx, query[b, :, T - E:].float(), key[b].float(), positions, scale)
-                                   for b in range(B)]).repeat_interleave(G, 1)
-        tail = F.scaled_dot_product_attention(query[:, :, T - E:], k, v, attn_mask=allowed, scale=scale)
+            allowed = self.selector.mask(module.layer_idx, query[:, :, T - E :], key, scale).repeat_interleave(G, 1)
+        tail = F.scaled_dot_product_attention(query[:, :, T - E :], k, v, attn_mask=allowed, scale=scale)
         return torch.cat([head, tail], 2).transpose(1, 2).contiguous(), None
 
 
 def plans_of(names: list[str], encoders: list[str]) -> dict[str, sparse_fx.Plan]:
+    """Rows by name: each plan of --plans (a name or a plan file), then per encoder directory a learned
+    row of each signature plan among them of the encoders' width."""
     plans = {name: sparse_fx.Plan.parse(name) for name in names}
     for d in encoders:
-        plans[f"hash learned ({Path(d).name})"] = sparse_fx.Plan.parse("hash", encoders=d)
+        bits = SignatureEncoders.load(d).bits
+        learned = {f"{name} learned ({Path(d).name})": sparse_fx.Plan.parse(plans[name], encoders=d) for name in names
+                   if sparse_fx.methods.get(plans[name].method).uses_encoders(plans[name]) and plans[name].bits == bits}
+        if not learned:
+            raise ValueError(f"encoders {d!r} ({bits}-bit) apply to none of the plans: give a signature plan of that width "
+                             "(hash, prism-g<G>-hash)")
+        plans.update(learned)
     return plans
 
 
 def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0, progress: bool = False) -> dict:
-    """Per plan: agreement and CE delta vs dense over `windows` held-out windows' last `span` tokens."""
+    """Per plan: agreement and CE delta vs dense over `windows` held-out windows' last `span` tokens, and
+    the tokens its selections chose by score."""
     device = next(model.parameters()).device
     teacher = TeacherMask(span)
     AttentionInterface.register(ATTENTION, teacher)
     ids = token_windows(tok, "heldout", n + 1, windows, seed=seed).to(device)
     sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
-    rows = {name: {"agreement": [], "ce_delta": [], "seconds": 0.0} for name in sparse}
+    metrics = ("agreement", "ce_delta", "kept")
+    rows = {name: {**{m: [] for m in metrics}, "seconds": 0.0} for name in sparse}
     dense_ce = []
     previous = model.config._attn_implementation
     try:
@@ -139,18 +194,20 @@ def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span:
                 for name, sel in sparse.items():
                     t0 = time.perf_counter()
                     teacher.selector = sel
+                    sel.begin()
                     lp = torch.log_softmax(model(inputs, use_cache=False).logits[0, n - span:].double(), -1)
                     r = rows[name]
                     r["agreement"].append(float((lp.argmax(-1) == ref.argmax(-1)).double().mean()))
                     r["ce_delta"].append(float((ref_t - lp.gather(1, targets[:, None])[:, 0]).mean()))
+                    r["kept"].append(sel.kept)
                     r["seconds"] += time.perf_counter() - t0
     finally:
         model.config._attn_implementation = previous
     out = {"context": n, "sparsity": sparsity, "budget": max(1, n // sparsity), "windows": windows, "span": span,
            "dense_ce": dense_ce, "plans": {}}
     for name, r in rows.items():
-        out["plans"][name] = {"plan": plans[name].to_dict(), **{m: summary(r[m]) for m in ("agreement", "ce_delta")},
-                              "per_window": {m: r[m] for m in ("agreement", "ce_delta")}, "seconds": r["seconds"]}
+        out["plans"][name] = {"plan": sparse[name].state.plan.to_dict(), **{m: summary(r[m]) for m in metrics},
+                              "per_window": {m: r[m] for m in metrics}, "seconds": r["seconds"]}
     if "oracle" in out["plans"]:
         oracle = out["plans"]["oracle"]["per_window"]["agreement"]
         for row in out["plans"].values():
@@ -167,8 +224,9 @@ def summary(values: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--plans", default="oracle,hash,hash-b256")
-    ap.add_argument("--encoders", nargs="*", default=[], help="encoder directories: one learned `hash` row each")
+    ap.add_argument("--plans", default="oracle,hash,hash-b256", help="comma-separated plan names or plan files (any sparse_fx plan)")
+    ap.add_argument("--encoders", nargs="*", default=[],
+                    help="encoder directories: each adds a learned row of every signature plan in --plans of its width")
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--sparsity", default="16")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows per context")
@@ -178,7 +236,10 @@ def main() -> None:
     benchlib.add_out(ap)
     a = ap.parse_args()
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
-    plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
+    try:
+        plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
+    except ValueError as e:
+        ap.error(str(e))
     contexts = [int(x) for x in a.contexts.split(",")]
     if not 0 < a.span < min(contexts) or a.windows < 1:
         ap.error(f"--span must lie in 1..{min(contexts) - 1} (below the shortest context) and --windows be >= 1")
@@ -198,12 +259,13 @@ def main() -> None:
 def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"Teacher-forced agreement with dense (`{meta['command']}`; {benchlib.where(meta)}, torch {meta['versions']['torch']}, "
-             f"{meta['date'][:10]}): mean over windows ± standard error; budget n/s + sink + local.", "",
-             "| context | sparsity | plan | tokens | agreement | of oracle | CE delta |", "|---|---|---|---|---|---|---|"]
+             f"{meta['date'][:10]}): mean over windows ± standard error; budget n/s + sink + local; kept: tokens chosen by score per step and KV head "
+             "(the budget; fewer under -mass<p>), mean over sparse layers.", "",
+             "| context | sparsity | plan | tokens | kept | agreement | of oracle | CE delta |", "|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for name, r in run["plans"].items():
             a, c = r["agreement"], r["ce_delta"]
-            lines.append(f"| {run['context']} | 1/{run['sparsity']} | {name} | {run['windows']} x {run['span']} | "
+            lines.append(f"| {run['context']} | 1/{run['sparsity']} | {name} | {run['windows']} x {run['span']} | {r['kept']['mean']:.0f} | "
                          f"{a['mean']:.2%} ± {a['stderr']:.2%} | {r.get('agreement_of_oracle', float('nan')):.1%} | "
                          f"{c['mean']:+.4f} ± {c['stderr']:.4f} |")
     return "\n".join(lines) + "\n"
