@@ -39,8 +39,10 @@ from transformers import AttentionInterface
 
 import sparse_fx
 from sparse_fx.api import _load_encoders
+from sparse_fx import role_tables
 from sparse_fx.compiled import CompiledState
-from sparse_fx.data import token_windows
+from sparse_fx.data import passkey_prompt, token_windows
+from sparse_fx.harness import passkey_key
 from sparse_fx.graph import EagerEmitter
 from sparse_fx.methods import Site
 from sparse_fx.model_info import ModelInfo
@@ -68,6 +70,7 @@ class Selector:
     def __init__(self, plan: sparse_fx.Plan, model, budget: int):
         plan = sparse_fx.Plan.parse(plan, budget=budget)
         info, method = ModelInfo.of(model), sparse_fx.methods.get(plan.method)
+        plan = role_tables.resolve(plan, model, info)  # as compile() does: shipped roles for this model
         method.check(info, plan)
         trained = _load_encoders(plan.encoders, model, info, plan) if plan.encoders else None
         self.state = CompiledState(plan=plan, info=info, method=method, encoders=Encoders(plan.bits, plan.seed, trained),
@@ -215,6 +218,41 @@ def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span:
     return out
 
 
+def passkey(model, tok, plans: dict, n: int, sparsity: int, depths: list[int], trials: int, offset: int = 1,
+            seed: int = 0, progress: bool = False) -> dict:
+    """Pass-key retrieval, teacher-forced: the harness's prompts and keys (`harness.passkey_key`), each
+    followed by its key's tokens. From the prompt's last `offset` tokens on (the harness decodes those
+    sparsely) every position attends to its selection; a plan finds the key when every next-token
+    argmax over the key's tokens is the key's next token, which is exactly when greedy decoding would
+    write the key first (the harness also counts a key written later in its answer). Dense is a row."""
+    device = next(model.parameters()).device
+    teacher = TeacherMask(1)
+    AttentionInterface.register(ATTENTION, teacher)
+    sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
+    found = {name: {d: [] for d in depths} for name in ["dense", *sparse]}
+    previous = model.config._attn_implementation
+    try:
+        for d in tqdm(depths, desc=f"passkey {n}, 1/{sparsity}", disable=not progress):
+            for t in range(trials):
+                key = passkey_key(seed, t)
+                answer = tok(f" {key}", add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+                ids = torch.cat([passkey_prompt(tok, n, d / 100, key)[0], answer[:-1]])[None].to(device)
+                A = answer.numel()
+                teacher.span = offset - 1 + A
+                with torch.no_grad():
+                    model.config._attn_implementation = previous
+                    found["dense"][d].append(bool((model(ids, use_cache=False).logits[0, -A:].argmax(-1).cpu() == answer).all()))
+                    model.config._attn_implementation = ATTENTION
+                    for name, sel in sparse.items():
+                        teacher.selector = sel
+                        sel.begin()
+                        found[name][d].append(bool((model(ids, use_cache=False).logits[0, -A:].argmax(-1).cpu() == answer).all()))
+    finally:
+        model.config._attn_implementation = previous
+    return {name: {str(d): sum(f[d]) / trials for d in depths} | {"trials": trials, "found": {str(d): f[d] for d in depths}}
+            for name, f in found.items()}
+
+
 def summary(values: list[float]) -> dict:
     """Mean over windows (each the same number of tokens) and its standard error."""
     m = sum(values) / len(values)
@@ -231,6 +269,9 @@ def main() -> None:
     ap.add_argument("--sparsity", default="16")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows per context")
     ap.add_argument("--span", type=int, default=1024, help="positions scored per window (the last ones)")
+    ap.add_argument("--passkey-trials", type=int, default=0, help="pass-key trials per depth and cell (0: none)")
+    ap.add_argument("--depths", default="10,25,50,75,90", help="pass-key depths, percent")
+    ap.add_argument("--passkey-sparsity", default="", help="sparsities that get pass keys (default: all of --sparsity)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--tag", default="", help="names the outputs agreement-<tag>.* (default: agreement.*)")
     benchlib.add_out(ap)
@@ -245,13 +286,20 @@ def main() -> None:
         ap.error(f"--span must lie in 1..{min(contexts) - 1} (below the shortest context) and --windows be >= 1")
     model, tok = load_model(device=device)
     report = {"meta": benchlib.header(a), "runs": []}
-    t0 = time.perf_counter()
-    for n in contexts:
-        for sp in [int(x) for x in a.sparsity.split(",")]:
-            report["runs"].append(evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True))
-            print(markdown(report), flush=True)
-    report["seconds"] = time.perf_counter() - t0
     stem = f"agreement-{a.tag}" if a.tag else "agreement"
+    t0 = time.perf_counter()
+    sparsities = [int(x) for x in a.sparsity.split(",")]
+    keyed = [int(x) for x in a.passkey_sparsity.split(",")] if a.passkey_sparsity else sparsities
+    for n in contexts:
+        for sp in sparsities:
+            run = evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True)
+            if a.passkey_trials and sp in keyed:
+                run["passkey"] = passkey(model, tok, plans, n, sp, [int(d) for d in a.depths.split(",")], a.passkey_trials,
+                                         progress=True)
+            report["runs"].append(run)
+            report["seconds"] = time.perf_counter() - t0
+            benchlib.save(a.out, stem, report, markdown=markdown(report))  # a run cut short keeps its cells
+            print(markdown(report), flush=True)
     benchlib.save(a.out, stem, report, markdown=markdown(report), plot=lambda png: plot(report, png))
     print(markdown(report))
 
@@ -268,6 +316,15 @@ def markdown(report: dict) -> str:
             lines.append(f"| {run['context']} | 1/{run['sparsity']} | {name} | {run['windows']} x {run['span']} | {r['kept']['mean']:.0f} | "
                          f"{a['mean']:.2%} ± {a['stderr']:.2%} | {r.get('agreement_of_oracle', float('nan')):.1%} | "
                          f"{c['mean']:+.4f} ± {c['stderr']:.4f} |")
+    keyed = [run for run in report["runs"] if "passkey" in run]
+    if keyed:
+        depths = [d for d in keyed[0]["passkey"]["dense"] if d not in ("trials", "found")]
+        lines += ["", f"Pass-key retrieval, teacher-forced (found: greedy decoding writes the key first), {keyed[0]['passkey']['dense']['trials']} "
+                  "trials a depth:", "", "| context | sparsity | plan | " + " | ".join(f"{d}%" for d in depths) + " |",
+                  "|---|---|---|" + "---|" * len(depths)]
+        for run in keyed:
+            for name, r in run["passkey"].items():
+                lines.append(f"| {run['context']} | 1/{run['sparsity']} | {name} | " + " | ".join(f"{r[d]:.0%}" for d in depths) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from . import methods
+from . import methods, role_tables
 from .backend import sparse_backend
 from .compiled import CompiledState
 from .explain import GraphReport, Report, Row
@@ -75,6 +75,7 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         plan = Plan.parse(spec, **plan_options, bits=encoders.bits)  # the encoders' signature width
     encoders = encoders if encoders is not None else plan.encoders
     info = ModelInfo.of(model)
+    plan = role_tables.resolve(plan, model, info)
     method.check(info, plan)
     trained = _load_encoders(encoders, model, info, plan) if encoders is not None else None
     previous = model.__dict__.get("forward")
@@ -120,6 +121,8 @@ def explain(model: torch.nn.Module) -> Report:
              else "prefill (several tokens): the model's own dense attention, uncompiled; then the side caches are written"]
     if state.attention_note:
         notes.append(state.attention_note)
+    if state.plan.note:
+        notes.append(state.plan.note)
     shard = state.info.shard.describe(state.info.kv_heads)
     if shard:
         notes.append(f"tensor parallel: this report is {shard}; side caches and selections are this rank's heads only")

@@ -46,7 +46,8 @@ class Plan:
     scale/zero group; `proposal` is how Prism's proposal layers score every key: INT2 copies of
     the keys (the paper) or `hash` signatures (4 bytes a key, then the refined layers re-score the
     pool exactly as with INT2); `roles` (one per layer: proposal / refined / dense) overrides the uniform
-    grouping; `dense_layers` stay dense under any method; `encoders` is the directory of trained
+    grouping, "uniform" asks for it, and None (the default) takes the roles calibrated for the model
+    when sparse_fx ships them (`sparse_fx.role_tables`), else the uniform grouping; `dense_layers` stay dense under any method; `encoders` is the directory of trained
     signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
 
     `mass` < 1 makes the budget adaptive: per layer, KV head and step, only the fewest candidates
@@ -67,7 +68,7 @@ class Plan:
     seed: int = 0
     mass: float = 1.0
     dense_layers: tuple[int, ...] = ()
-    roles: tuple[str, ...] | None = None
+    roles: tuple[str, ...] | str | None = None
     encoders: str | None = None
     note: str = field(default="", compare=False)
 
@@ -95,9 +96,9 @@ class Plan:
         for i in self.dense_layers:
             _int("dense_layers entries", i, 0, " (layer indices; negative ones are not taken)")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
-        if self.roles is not None:
+        if self.roles is not None and self.roles != "uniform":
             if isinstance(self.roles, (str, bytes)) or not all(isinstance(r, str) for r in self.roles):
-                _fail(f"roles must be a list of layer roles (strings), got {self.roles!r}")
+                _fail(f"roles must be a list of layer roles (strings) or \"uniform\", got {self.roles!r}")
             object.__setattr__(self, "roles", tuple(self.roles))
         if self.encoders is not None and not isinstance(self.encoders, (str, Path)):
             _fail(f"encoders must be a directory path, got {self.encoders!r}")
@@ -164,7 +165,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["dense_layers"] = list(self.dense_layers)
-        d["roles"] = list(self.roles) if self.roles is not None else None
+        d["roles"] = list(self.roles) if isinstance(self.roles, tuple) else self.roles
         d["encoders"] = str(self.encoders) if self.encoders is not None else None
         return {"format": FORMAT, "name": self.name, **d}
 

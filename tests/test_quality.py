@@ -202,3 +202,25 @@ def test_one_pass_selection_is_the_decode_steps(smollm2, mlp_encoders, monkeypat
             idx = ref.state.method.select(ref.emit, ref.state, site).indices.long()[0]
             want = torch.zeros(Hkv, T + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx, T), True)[:, :T]
             assert torch.equal(got[:, e], want), (layer, e)
+
+
+def test_one_pass_passkey_equals_the_harness(smollm2, reduced, monkeypatch):
+    """bench/teacher_agreement.py's teacher-forced pass key: a plan finds the key exactly when the
+    harness's greedy answer, decoded through the compiled model, begins with it (every plan and trial
+    of the reduced run, whose prompts end `passkey_offset` = 4 tokens before the answer); and a prompt
+    holding another key is not found."""
+    rows = reduced[0]
+    model, tok = smollm2
+    s = settings()
+    plans = {p: sparse_fx.Plan.parse(p, sink=s.sink, local=s.local) for p in PLANS}
+    ta = bench_script("teacher_agreement")
+    ours = ta.passkey(model, tok, plans, N, 4, s.depths, s.passkey_trials, s.passkey_offset, s.seed)
+    prompt = ta.passkey_prompt
+    monkeypatch.setattr(ta, "passkey_prompt", lambda tok, n, depth, key: prompt(tok, n, depth, key + 1))
+    miss = ta.passkey(model, tok, {}, N, 4, s.depths[:1], s.passkey_trials, s.passkey_offset, s.seed)
+    assert not any(miss["dense"]["found"][str(s.depths[0])])
+    for plan in PLANS:
+        theirs = rows[(plan, None if plan == "dense" else 4)]["passkey"]["answers"]
+        for d in s.depths:
+            expected = [t["answer"].startswith(f" {t['key']}") for t in theirs[str(d)]]
+            assert ours[plan]["found"][str(d)] == expected, (plan, d, theirs[str(d)])

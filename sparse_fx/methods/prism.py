@@ -46,7 +46,7 @@ class Prism(Method):
 
     def plan_name(self, plan):
         return (f"{self.name}-g{plan.group}" + ("-hash" if plan.proposal == "hash" else "")
-                + ("-learned" if plan.encoders else "") + ("-calibrated" if plan.roles else ""))
+                + ("-learned" if plan.encoders else "") + ("-calibrated" if isinstance(plan.roles, tuple) else ""))
 
     def uses_encoders(self, plan):
         return plan.proposal == "hash"
@@ -67,7 +67,7 @@ class Prism(Method):
                              "valid with mass < 1: prism with either proposal, static with proposal='int2'")
         if plan.group < 1:
             raise ValueError(f"sparse_fx: group must be >= 1 layer (1: every layer proposes, no sharing), got {plan.group}")
-        if plan.roles is not None:
+        if isinstance(plan.roles, tuple):
             bad = sorted(set(plan.roles) - set(LAYER_ROLES))
             if bad:
                 raise ValueError(f"sparse_fx: unknown layer roles {bad}; valid roles: {', '.join(LAYER_ROLES)}")
@@ -98,7 +98,7 @@ class Prism(Method):
         return self.flags
 
     def roles(self, plan, num_layers, dense):
-        if plan.roles is not None:
+        if isinstance(plan.roles, tuple):
             if len(plan.roles) != num_layers:
                 raise ValueError(f"sparse_fx: plan {plan.name!r} has roles for {len(plan.roles)} layers "
                                  f"but the model has {num_layers}")
