@@ -6,7 +6,7 @@ each refined layer served by the nearest proposal above it):
 - "mass" (default): one dense forward per window captures every layer's queries at the last
   `steps` positions and its keys. For every pair of a proposal candidate p and a later layer l,
   it measures the attention mass l keeps, step by step, when it chooses its `budget` within p's
-  pool (p itself choosing by its proposal score, as the plan runs), as a share of the mass of l's
+  pool (p itself choosing by its proposal score, INT2 or signatures, as the plan runs), as a share of the mass of l's
   own exact top-`budget`. The roles maximising the summed share are found exactly by dynamic
   programming over contiguous groups. Thousands of steps cost seconds, so it runs at the deployed
   length on many windows.
@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 from . import methods
 from .lowering.reference import int2_dequantize, int2_quantize
 from .plan import Plan
+from .model_info import ModelInfo
+from .runtime.encoders import Encoders, apply_head_mlp
 
 OBJECTIVES = ("mass", "ce")
 
@@ -145,10 +147,8 @@ def _windows(texts, tokenizer, context: int, windows: int, seed: int) -> torch.T
 
 # ------------------------------------------------------------------------------ the mass objective
 def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress: bool) -> Plan:
-    if base.proposal != "int2":
-        raise ValueError("sparse_fx: calibrate(objective='mass') scores INT2 proposals; calibrate signature "
-                         "proposals (proposal='hash') with objective='ce'")
     N, T = ids.shape
+    proposal_score = _proposal_scorer(model, base)
     roles = handler.roles(base, model.config.num_hidden_layers, set(base.dense_layers))
     sparse = [i for i, r in enumerate(roles) if r != "dense"]
     if not sparse:
@@ -165,7 +165,7 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
         for a, p in enumerate(sparse):
             q, k = layers[p]
-            score = int2_score(q, k, base.int2_group).masked_fill(~allowed, float("-inf"))
+            score = proposal_score(p, q, k).masked_fill(~allowed, float("-inf"))
             pool = _top(score, base.pool)  # (non-candidates it may hold have no mass)
             own = pool.gather(-1, _top(score.gather(-1, pool), base.budget))  # the proposal's own choice
             for b in range(a, len(sparse)):
@@ -225,6 +225,28 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> t
     logits = torch.einsum("skgd,ktd->skgt", q.view(S, Hkv, Hq // Hkv, D), k) * D**-0.5
     weights = logits.masked_fill(torch.arange(T, device=k.device) > steps, float("-inf")).softmax(-1).sum(2)
     return weights * allowed
+
+
+def _proposal_scorer(model, plan: Plan):
+    """(layer, q, k) -> [steps, Hkv, T]: how the plan's proposal layers score every key."""
+    if plan.proposal == "int2":
+        return lambda layer, q, k: int2_score(q, k, plan.int2_group)
+    from .api import _load_encoders
+
+    info = ModelInfo.of(model)
+    trained = _load_encoders(plan.encoders, model, info, plan) if plan.encoders else None
+    encoders = Encoders(plan.bits, plan.seed, trained)
+    return lambda layer, q, k: signature_score(q, k, encoders.layer(layer, q.shape[1], k.shape[0], k.shape[2], k.device))
+
+
+def signature_score(q: torch.Tensor, k: torch.Tensor, enc) -> torch.Tensor:
+    """[steps, Hkv, T]: summed over the group's query heads, agreeing minus differing bits of their
+    signatures and the key's (enc: the layer's encoders): 2 x reference.hamming_scores - G x bits."""
+    S, Hq, D = q.shape
+    Hkv = k.shape[0]
+    qs = torch.where(apply_head_mlp(q.transpose(0, 1)[None], *enc.query.params())[0] > 0, 1.0, -1.0)  # [Hq, S, bits]
+    ks = torch.where(apply_head_mlp(k[None], *enc.key.params())[0] > 0, 1.0, -1.0)  # [Hkv, T, bits]
+    return torch.einsum("kgsb,ktb->skt", qs.view(Hkv, Hq // Hkv, S, -1), ks)
 
 
 def int2_score(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:

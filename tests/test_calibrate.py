@@ -39,7 +39,7 @@ def test_search_mode_with_roles_set_equals_the_plan_with_those_roles(model, plan
 
 
 @pytest.mark.parametrize("group, proposal, objective", [(2, "int2", "mass"), (4, "int2", "mass"), (2, "int2", "ce"),
-                                                        (2, "hash", "ce")])
+                                                        (2, "hash", "ce"), (2, "hash", "mass")])
 def test_calibration_returns_a_valid_role_assignment(model, group, proposal, objective, tmp_path):
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     plain = copy.deepcopy(model)
@@ -106,11 +106,41 @@ def test_mass_objective_scores_as_the_decode_ops_do():
         assert allowed[s, 0].sum() == now - plan.local + 1 - plan.sink
 
 
+@pytest.mark.parametrize("trained", [False, True])
+def test_mass_objective_scores_signature_proposals_as_the_decode_ops_do(trained):
+    """Its signature proposal score is 2 x the Hamming similarity the served op sums over a KV head's
+    query heads (reference.hamming_scores of the packed signs), less G x bits: the same order."""
+    from sparse_fx.calibrate import signature_score
+    from sparse_fx.lowering import reference as ref
+    from sparse_fx.runtime.encoders import Encoders, HeadMLP, LayerEncoders, SignatureEncoders
+
+    g = torch.Generator().manual_seed(4)
+    S, Hq, Hkv, T, D, bits = 5, 6, 2, 40, 16, 64
+    q, k = torch.randn(S, Hq, D, generator=g), torch.randn(Hkv, T, D, generator=g)
+    learned = None
+    if trained:
+        def mlp(heads):
+            return HeadMLP([torch.randn(heads, D, 24, generator=g), torch.randn(heads, 24, bits, generator=g)],
+                           [torch.randn(heads, 24, generator=g), None])
+        learned = SignatureEncoders([LayerEncoders(query=mlp(Hq), key=mlp(Hkv))], bits=bits, fingerprint={}, metadata={})
+    enc = Encoders(bits, 0, learned).layer(0, Hq, Hkv, D, torch.device("cpu"))
+    score = signature_score(q, k, enc)
+    k_sig = ref.pack_signs(apply(k[None], enc.key))
+    for s in range(S):
+        q_sig = ref.pack_signs(apply(q[s][None, :, None], enc.query))[:, :, 0]
+        sim = ref.hamming_scores(q_sig, k_sig)[0].double()
+        torch.testing.assert_close(score[s].double(), 2 * sim - (Hq // Hkv) * bits, rtol=0, atol=0)
+
+
+def apply(x, mlp):
+    from sparse_fx.runtime.encoders import apply_head_mlp
+
+    return apply_head_mlp(x, *mlp.params())
+
+
 def test_calibrate_rejects_bad_input(model):
     with pytest.raises(ValueError, match="valid: mass, ce"):
         sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), objective="loss")
-    with pytest.raises(ValueError, match="objective='ce'"):
-        sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), proposal="hash", **OPTIONS)
     with pytest.raises(ValueError, match="fewer candidates than a pool"):
         sparse_fx.calibrate(model, torch.ones(1, 40, dtype=torch.long), budget=16, sink=2, local=3, int2_group=8)
     with pytest.raises(ValueError, match="valid: prism, static"):
