@@ -2,11 +2,12 @@
 
 Which layers propose matters more than INT2 (bench/NOTES.md, "Where the pools lose"): on SmolLM2
 the calibrated roles keep 97.6% of the oracle's agreement at 2K-8K where the uniform grouping keeps
-95-96%, and every pass key dense finds. So `compile(model, "prism-g<G>")` with INT2 proposals and no
-explicit roles takes the table made for this model and G when one ships here, matched as trained
+95-96%, and every pass key dense finds. So `compile(model, "prism-g<G>")` with no explicit roles
+takes the table made for this model, G and proposal kind when one ships here, matched as trained
 encoders are (shapes and a sample of the weights); otherwise the uniform grouping. `roles="uniform"`
 asks for the uniform grouping; explicit roles or a plan file win over any table. A table is a
-calibrated plan's roles plus the model's fingerprint (`table_of`).
+calibrated plan's roles, the proposal kinds they were calibrated for, and the model's fingerprint
+(`table_of`).
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ SHAPES = ("model_type", "num_layers", "q_heads", "kv_heads", "head_dim")
 
 def table_of(plan: Plan, fingerprint: dict, made_by: str) -> dict:
     """A shippable table from a calibrated plan (`sparse_fx.calibrate`) and its model's fingerprint."""
-    if plan.method != "prism" or plan.proposal != "int2" or not isinstance(plan.roles, tuple):
-        raise ValueError(f"sparse_fx: a role table needs a calibrated prism plan with INT2 proposals, not {plan.name!r}")
-    return {"format": FORMAT, "group": plan.group, "roles": list(plan.roles), "fingerprint": fingerprint,
-            "made_by": made_by, "note": plan.note}
+    if plan.method != "prism" or not isinstance(plan.roles, tuple):
+        raise ValueError(f"sparse_fx: a role table needs a calibrated prism plan, not {plan.name!r}")
+    return {"format": FORMAT, "group": plan.group, "proposals": [plan.proposal], "roles": list(plan.roles),
+            "fingerprint": fingerprint, "made_by": made_by, "note": plan.note}
 
 
 def resolve(plan: Plan, model, info) -> Plan:
     """`plan` with the shipped roles of this model if it asks for the default roles and a table matches."""
-    if plan.method != "prism" or plan.proposal != "int2" or plan.roles is not None:
+    if plan.method != "prism" or plan.roles is not None:
         return plan
     shapes = {k: getattr(info, k) for k in SHAPES}
-    candidates = [(path, t) for path, t in _tables() if t["group"] == plan.group
+    candidates = [(path, t) for path, t in _tables() if t["group"] == plan.group and plan.proposal in t["proposals"]
                   and {k: t["fingerprint"].get(k) for k in SHAPES} == shapes]
     if not candidates:
         return plan

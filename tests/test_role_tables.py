@@ -35,10 +35,15 @@ def test_the_default_prism_plan_takes_the_shipped_roles(smollm2):
     assert any("calibrated for this model" in n and TABLE.name in n for n in report.notes)
 
 
-@pytest.mark.parametrize("plan, options", [("prism-g4", dict(roles="uniform")), ("prism-g9", {}), ("prism-g4-hash", {}),
-                                           ("static-g4", {})])
+def test_signature_proposals_take_the_table_calibrated_for_them_too(smollm2):
+    model, _ = smollm2
+    table = json.loads(TABLE.read_text())
+    assert "hash" in table["proposals"] and roles_of(model, "prism-g4-hash")[0] == table["roles"]
+
+
+@pytest.mark.parametrize("plan, options", [("prism-g4", dict(roles="uniform")), ("prism-g9", {}), ("static-g4", {})])
 def test_other_plans_keep_their_own_roles(smollm2, plan, options):
-    """roles='uniform', a group without a table, signature proposals and static reuse: uniform groups."""
+    """roles='uniform', a group without a table and static reuse: uniform groups."""
     model, _ = smollm2
     group = Plan.parse(plan).group
     roles, _ = roles_of(model, plan, **options)
