@@ -86,7 +86,7 @@ class Selector:
     @property
     def kept(self) -> float:
         """Tokens chosen by score per step and KV head in this forward (the budget; fewer under mass < 1)."""
-        return float(self.chosen) / self.slots
+        return float(self.chosen) / self.slots if self.slots else 0.0
 
     def mask(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
         """[B, Hkv, E, T] bool: the keys each of the last E positions reads (q [B, Hq, E, D], k [B, Hkv, T, D])."""

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import methods
-from .lowering.reference import int2_dequantize, int2_quantize
+from .lowering.reference import int2_dequantize, int2_quantize, selection_keys
 from .plan import Plan
 from .model_info import ModelInfo
 from .runtime.encoders import Encoders, apply_head_mlp
@@ -165,9 +165,9 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
         for a, p in enumerate(sparse):
             q, k = layers[p]
-            score = proposal_score(p, q, k).masked_fill(~allowed, float("-inf"))
-            pool = _top(score, base.pool)  # (non-candidates it may hold have no mass)
-            own = pool.gather(-1, _top(score.gather(-1, pool), base.budget))  # the proposal's own choice
+            ranked = served_ranks(proposal_score(p, q, k), allowed)
+            pool = _top(ranked, base.pool)  # (non-candidates it may hold have no mass)
+            own = pool.gather(-1, _top(ranked.gather(-1, pool), base.budget))  # the proposal's own choice
             for b in range(a, len(sparse)):
                 if b == a or not handler.refine:
                     chosen = own
@@ -239,14 +239,23 @@ def _proposal_scorer(model, plan: Plan):
     return lambda layer, q, k: signature_score(q, k, encoders.layer(layer, q.shape[1], k.shape[0], k.shape[2], k.device))
 
 
+def served_ranks(score: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """[steps, Hkv, T] int64 ranks in the served selection's order (reference.select_topk): the score's
+    selection key (floats to 8 significant bits, integers as they are), ties to the later position,
+    non-candidates last."""
+    T = score.shape[-1]
+    ranked = selection_keys(score) * (T + 1) + torch.arange(T, device=score.device)
+    return ranked.masked_fill(~allowed, torch.iinfo(torch.int64).min)
+
+
 def signature_score(q: torch.Tensor, k: torch.Tensor, enc) -> torch.Tensor:
-    """[steps, Hkv, T]: summed over the group's query heads, agreeing minus differing bits of their
-    signatures and the key's (enc: the layer's encoders): 2 x reference.hamming_scores - G x bits."""
+    """[steps, Hkv, T] int64: summed over the group's query heads, agreeing minus differing bits of
+    their signatures and the key's (enc: the layer's encoders): 2 x reference.hamming_scores - G x bits."""
     S, Hq, D = q.shape
     Hkv = k.shape[0]
     qs = torch.where(apply_head_mlp(q.transpose(0, 1)[None], *enc.query.params())[0] > 0, 1.0, -1.0)  # [Hq, S, bits]
     ks = torch.where(apply_head_mlp(k[None], *enc.key.params())[0] > 0, 1.0, -1.0)  # [Hkv, T, bits]
-    return torch.einsum("kgsb,ktb->skt", qs.view(Hkv, Hq // Hkv, S, -1), ks)
+    return torch.einsum("kgsb,ktb->skt", qs.view(Hkv, Hq // Hkv, S, -1), ks).round().long()
 
 
 def int2_score(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ the calibrated roles keep 97.6% of the oracle's agreement at 2K-8K where the uni
 95-96%, and every pass key dense finds. So `compile(model, "prism-g<G>")` with no explicit roles
 takes the table made for this model, G and proposal kind when one ships here, matched as trained
 encoders are (shapes and a sample of the weights); otherwise the uniform grouping. `roles="uniform"`
-asks for the uniform grouping; explicit roles or a plan file win over any table. A table is a
+(or the name suffix -uniform, e.g. prism-g4-uniform) asks for the uniform grouping; explicit roles
+or a plan file win over any table. A table is a
 calibrated plan's roles, the proposal kinds they were calibrated for, and the model's fingerprint
 (`table_of`).
 """
@@ -16,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from . import methods
 from .plan import Plan
 from .runtime.encoders import same_weights
 
@@ -26,7 +28,7 @@ SHAPES = ("model_type", "num_layers", "q_heads", "kv_heads", "head_dim")
 
 def table_of(plan: Plan, fingerprint: dict, made_by: str) -> dict:
     """A shippable table from a calibrated plan (`sparse_fx.calibrate`) and its model's fingerprint."""
-    if plan.method != "prism" or not isinstance(plan.roles, tuple):
+    if not methods.get(plan.method).shipped_roles or not isinstance(plan.roles, tuple):
         raise ValueError(f"sparse_fx: a role table needs a calibrated prism plan, not {plan.name!r}")
     return {"format": FORMAT, "group": plan.group, "proposals": [plan.proposal], "roles": list(plan.roles),
             "fingerprint": fingerprint, "made_by": made_by, "note": plan.note}
@@ -34,7 +36,7 @@ def table_of(plan: Plan, fingerprint: dict, made_by: str) -> dict:
 
 def resolve(plan: Plan, model, info) -> Plan:
     """`plan` with the shipped roles of this model if it asks for the default roles and a table matches."""
-    if plan.method != "prism" or plan.roles is not None:
+    if not methods.get(plan.method).shipped_roles or plan.roles is not None:
         return plan
     shapes = {k: getattr(info, k) for k in SHAPES}
     candidates = [(path, t) for path, t in _tables() if t["group"] == plan.group and plan.proposal in t["proposals"]
@@ -45,8 +47,8 @@ def resolve(plan: Plan, model, info) -> Plan:
     for path, t in candidates:
         if same_weights(t["fingerprint"]["weights"], sample):
             note = (f"roles: calibrated for this model (sparse_fx/roles/{path.name}: {t['made_by']}); "
-                    "roles='uniform' for the uniform grouping")
-            return dataclasses.replace(plan, roles=tuple(t["roles"]), note=note)
+                    f"{methods.get(plan.method).name}-g{plan.group}-uniform or roles='uniform' for the uniform grouping")
+            return dataclasses.replace(plan, roles=tuple(t["roles"]), note="; ".join(n for n in (plan.note, note) if n))
     return plan
 
 

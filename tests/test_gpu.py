@@ -205,7 +205,7 @@ def test_prefill_costs_what_the_dense_models_costs():
 def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
     """The quality numbers of bench/teacher_agreement.py (agreement, CE delta, tokens kept, pass keys)
     on CUDA, where the plans' selections run our kernels, equal the CPU's (torch references) on the
-    same windows of the offline SmolLM2 at 512 tokens: to one token of 64 and 1e-2 nats, which float
+    same windows of the offline SmolLM2 at 512 tokens: to one token of 64, 1e-2 nats and one pass-key trial, which float
     rounding at a selection's edge can move (bench/NOTES.md, Quality harness)."""
     import importlib.util
     import sys
@@ -230,4 +230,5 @@ def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
         assert abs(sum(a["per_window"]["agreement"]) - sum(b["per_window"]["agreement"])) * 32 <= 1 + 1e-9, name
         assert a["ce_delta"]["mean"] == pytest.approx(b["ce_delta"]["mean"], abs=1e-2), name
         assert a["kept"]["mean"] == pytest.approx(b["kept"]["mean"], abs=1e-6), name
-        assert cpu_keys[name] == gpu_keys[name], name
+        for d in ("20", "80"):  # pass keys: the same, but for at most one trial decided at a selection's edge
+            assert sum(a != b for a, b in zip(cpu_keys[name]["found"][d], gpu_keys[name]["found"][d])) <= 1, (name, d)

@@ -203,7 +203,7 @@ def test_hash_select_takes_everything_when_the_budget_covers_the_row():
 
 def test_rows_longer_than_a_packed_count():
     """16-bin radix levels count in 8-bit fields, one key per block and slot, so a program may own
-    at most 255 blocks: a row of 263 blocks of 8 on one program per row (4 rows, waves=1) must be
+    at most 255 blocks: a row of 264 blocks of 8 (261 holding candidates) on one program per row (4 rows, waves=1) must be
     split. Identical signatures put every key in one bin."""
     g = gen(34)
     B, Hkv, L, now = 1, 4, 2112, 2100

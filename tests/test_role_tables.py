@@ -20,7 +20,8 @@ def uniform(num_layers: int, group: int) -> list[str]:
     return ["proposal" if i % group == 0 else "refined" for i in range(num_layers)]
 
 
-def roles_of(model, plan, **options) -> list[str]:
+def roles_of(model, plan, **options):
+    """(the compiled model's layer roles, the compiled model)"""
     m = sparse_fx.compile(share_weights_copy(model), plan, backend="eager", **options)
     return sparse_state(m).roles, m
 
@@ -41,7 +42,8 @@ def test_signature_proposals_take_the_table_calibrated_for_them_too(smollm2):
     assert "hash" in table["proposals"] and roles_of(model, "prism-g4-hash")[0] == table["roles"]
 
 
-@pytest.mark.parametrize("plan, options", [("prism-g4", dict(roles="uniform")), ("prism-g9", {}), ("static-g4", {})])
+@pytest.mark.parametrize("plan, options", [("prism-g4", dict(roles="uniform")), ("prism-g4-uniform", {}), ("prism-g9", {}),
+                                           ("static-g4", {})])
 def test_other_plans_keep_their_own_roles(smollm2, plan, options):
     """roles='uniform', a group without a table and static reuse: uniform groups."""
     model, _ = smollm2

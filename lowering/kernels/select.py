@@ -192,14 +192,13 @@ def _hist_kernel(
     if USE_FOR:
         for j in tl.range(blk, end):
             offs = j * BLOCK + base
+            # whole blocks: the key pass wrote 0 ("not a candidate") outside [lo_c, hi_c) in them
             key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
-            key = tl.where((offs >= lo_c) & (offs < hi_c), key, 0)
             c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
     else:
         while blk < end:
             offs = blk * BLOCK + base
             key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
-            key = tl.where((offs >= lo_c) & (offs < hi_c), key, 0)
             c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
             blk += 1
     acc = counts_total(c0, c1, c2, c3, NB)
@@ -212,7 +211,7 @@ def _take_block(keys_row, pos_row, offs, lo_c, hi_c, N, spn, out_row, sok, thr, 
     """Write the taken candidates of one block at their ranks; returns the updated running counts.
     (The positions of a pool are read here but feed only stored values, never an address.)"""
     live = (offs >= lo_c) & (offs < hi_c)
-    key = tl.where(live, tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF, 0)
+    key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF  # 0 outside [lo_c, hi_c): key pass
     if HAS_POS:
         cand = tl.load(pos_row + offs * spn, mask=live, other=-1)
     else:
@@ -300,7 +299,7 @@ def _selection_supported(pos, k, sink, local, mask, start, batch: int, n: int) -
         and (mask is None or mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES)
         and (start is None or (start.dim() == 1 and start.shape[0] == batch and not start.is_floating_point()))
         and n < 2**31 - 2 * (k + sink + local)
-        and n <= MAX_PROGS * PACKED_RUN * 1024  # plan_programs at the smallest block the launchers use
+        and (mask is None or n * abs(mask.stride(-1)) < 2**31)  # int32 offsets within a row
     )
 
 
@@ -309,16 +308,20 @@ def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None
         on_kernel_device(scores, pos, mask, positions, start)
         and scores.dim() == 3
         and scores.dtype in SCORE_KIND
-        and (positions is None or (positions.shape == scores.shape and _is_index(positions)))
+        and (positions is None or (positions.shape == scores.shape and _is_index(positions)
+                                   and scores.shape[-1] * abs(positions.stride(-1)) < 2**31))
+        and (positions is not None or mask is None or mask.shape[-1] >= scores.shape[-1])  # a mask for every slot
+        and scores.shape[-1] * abs(scores.stride(-1)) < 2**31
         and _selection_supported(pos, k, sink, local, mask, start, scores.shape[0], scores.shape[-1])
     )
 
 
-def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int = STREAM_WAVES) -> int:
-    """Programs per row: enough rows x programs for `waves` per SM, at most one per block, and
-    enough that no chunk exceeds PACKED_RUN blocks (the packed 16-bin counts)."""
+def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, level_bits: int) -> int:
+    """Programs per row: enough rows x programs for `waves` per SM, at most one per block, and with
+    16-bin levels (packed counts) enough that no chunk exceeds PACKED_RUN blocks."""
     blocks = triton.cdiv(max(N, 1), block)
-    progs = max(min(MAX_PROGS, programs_per_row(R, blocks, device, waves=waves)), triton.cdiv(blocks, PACKED_RUN))
+    progs = max(min(MAX_PROGS, programs_per_row(R, blocks, device, waves=waves)),
+                triton.cdiv(blocks, PACKED_RUN) if level_bits == 4 else 1)
     if progs > MAX_PROGS:
         raise ValueError(f"select: {N} candidates a row need more than {MAX_PROGS} programs of {block}-key blocks")
     return progs
@@ -359,7 +362,7 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=No
     if R == 0:
         return out
     pos = pos[-1:]
-    progs = plan_programs(R, N, dev, block, waves)
+    progs = plan_programs(R, N, dev, block, waves, level_bits)
     keys = torch.empty(R, N, dtype=torch.int16, device=dev)
     cum = torch.empty(16 // level_bits, R, progs, 1 << level_bits, dtype=torch.int32, device=dev)
     ma = MaskView(mask, Hkv, scores)
@@ -389,6 +392,9 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
         bits == WORD_BITS * W and 1 <= W <= 8
         and k_sig.shape[0] == B and Hq % k_sig.shape[1] == 0
         and (Hq // k_sig.shape[1]) * WORD_BITS * W < 65535
+        and (mask is None or mask.shape[-1] >= k_sig.shape[2])  # a mask for every slot
+        and k_sig.shape[2] * k_sig.stride(2) + W * k_sig.stride(3) < 2**31  # int32 offsets within a row
+        and k_sig.shape[2] <= MAX_PROGS * PACKED_RUN * HASH_BLOCK  # packed 16-bin counts at the default block
         and _selection_supported(pos, k, sink, local, mask, start, B, k_sig.shape[2])
     )
 
@@ -408,7 +414,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
         return out
     key_bits = 16 if G * WORD_BITS * W + 1 > 255 else 8  # similarity + 1
     pos = pos[-1:]
-    progs = plan_programs(R, N, dev, block, waves)
+    progs = plan_programs(R, N, dev, block, waves, level_bits)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
     cum = torch.empty(key_bits // level_bits, R, progs, 1 << level_bits, dtype=torch.int32, device=dev)
     ma = MaskView(mask, Hkv, k_sig)

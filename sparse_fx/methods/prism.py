@@ -33,20 +33,26 @@ LAYER_ROLES = ("dense", "proposal", "refined")
 class Prism(Method):
     description = ("proposal layers score every key (INT2 copies, or signatures with proposal='hash') and build a "
                    "candidate pool that refined layers re-score (Prism)")
-    name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G>[-hash] (e.g. prism-g4, prism-g9, prism-g4-hash)"
+    name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G>[-hash][-uniform] (e.g. prism-g4, prism-g9, prism-g4-hash, prism-g4-uniform)"
     explicit_roles = True
+    shipped_roles = True
     proposals = ("int2", "hash")
     takes_mass = True  # refined layers: exact mass over the pool; INT2 proposals: an estimate
     refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
     search = False  # calibration: both paths everywhere, a device flag per layer picks
 
     def parse(self, text):
+        uniform = text.endswith("-uniform")
+        text = text.removesuffix("-uniform")
         fields = super().parse(text.removesuffix("-hash"))
-        return None if fields is None else {**fields, **({"proposal": "hash"} if text.endswith("-hash") else {})}
+        if fields is None:
+            return None
+        return {**fields, **({"proposal": "hash"} if text.endswith("-hash") else {}), **({"roles": "uniform"} if uniform else {})}
 
     def plan_name(self, plan):
         return (f"{self.name}-g{plan.group}" + ("-hash" if plan.proposal == "hash" else "")
-                + ("-learned" if plan.encoders else "") + ("-calibrated" if isinstance(plan.roles, tuple) else ""))
+                + ("-learned" if plan.encoders else "") + ("-calibrated" if isinstance(plan.roles, tuple) else "")
+                + ("-uniform" if plan.roles == "uniform" else ""))
 
     def uses_encoders(self, plan):
         return plan.proposal == "hash"
@@ -219,6 +225,7 @@ class Static(Prism):
     name, name_forms = "static", "static-g<G>[-hash] (e.g. static-g4)"
     description = "proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
     refine = False
+    shipped_roles = False  # the ablation baseline keeps its uniform grouping unless given roles
 
 
 def _at(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
