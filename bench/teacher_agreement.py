@@ -173,39 +173,54 @@ def plans_of(names: list[str], encoders: list[str]) -> dict[str, sparse_fx.Plan]
     return plans
 
 
+def selectors(model, plans: dict, n: int, sparsity: int) -> dict[str, Selector]:
+    """A Selector per sparse plan at budget n // sparsity."""
+    return {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
+
+
+def forwards(model, ids: torch.Tensor, teacher: TeacherMask, sparse: dict):
+    """(None, dense logits, seconds), then (name, logits, seconds) per sparse plan whose last
+    `teacher.span` positions attend to what the plan selects for them: logits [span, V] of those
+    positions (a copy, so that no full [T, V] logits outlive their forward)."""
+    AttentionInterface.register(ATTENTION, teacher)
+    previous = model.config._attn_implementation
+    try:
+        with torch.no_grad():
+            for name, sel in [(None, None), *sparse.items()]:
+                t0 = time.perf_counter()
+                model.config._attn_implementation = previous if sel is None else ATTENTION
+                if sel is not None:
+                    teacher.selector = sel
+                    sel.begin()
+                logits = model(ids, use_cache=False).logits[0, -teacher.span:].clone()
+                yield name, logits, time.perf_counter() - t0
+    finally:
+        model.config._attn_implementation = previous
+
+
 def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0, progress: bool = False) -> dict:
     """Per plan: agreement and CE delta vs dense over `windows` held-out windows' last `span` tokens, and
     the tokens its selections chose by score."""
     device = next(model.parameters()).device
     teacher = TeacherMask(span)
-    AttentionInterface.register(ATTENTION, teacher)
     ids = token_windows(tok, "heldout", n + 1, windows, seed=seed).to(device)
-    sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
+    sparse = selectors(model, plans, n, sparsity)
     metrics = ("agreement", "ce_delta", "kept")
     rows = {name: {**{m: [] for m in metrics}, "seconds": 0.0} for name in sparse}
     dense_ce = []
-    previous = model.config._attn_implementation
-    try:
-        for w in tqdm(ids, desc=f"context {n}, 1/{sparsity}", disable=not progress):
-            inputs, targets = w[None, :n], w[n - span + 1:]
-            with torch.no_grad():
-                model.config._attn_implementation = previous
-                ref = torch.log_softmax(model(inputs, use_cache=False).logits[0, n - span:].double(), -1)
-                ref_t = ref.gather(1, targets[:, None])[:, 0]
+    for w in tqdm(ids, desc=f"context {n}, 1/{sparsity}", disable=not progress):
+        inputs, targets = w[None, :n], w[n - span + 1:]
+        for name, logits, seconds in forwards(model, inputs, teacher, sparse):
+            lp = torch.log_softmax(logits.double(), -1)
+            if name is None:
+                ref, ref_t = lp, lp.gather(1, targets[:, None])[:, 0]
                 dense_ce.append(float(-ref_t.mean()))
-                model.config._attn_implementation = ATTENTION
-                for name, sel in sparse.items():
-                    t0 = time.perf_counter()
-                    teacher.selector = sel
-                    sel.begin()
-                    lp = torch.log_softmax(model(inputs, use_cache=False).logits[0, n - span:].double(), -1)
-                    r = rows[name]
-                    r["agreement"].append(float((lp.argmax(-1) == ref.argmax(-1)).double().mean()))
-                    r["ce_delta"].append(float((ref_t - lp.gather(1, targets[:, None])[:, 0]).mean()))
-                    r["kept"].append(sel.kept)
-                    r["seconds"] += time.perf_counter() - t0
-    finally:
-        model.config._attn_implementation = previous
+                continue
+            r = rows[name]
+            r["agreement"].append(float((lp.argmax(-1) == ref.argmax(-1)).double().mean()))
+            r["ce_delta"].append(float((ref_t - lp.gather(1, targets[:, None])[:, 0]).mean()))
+            r["kept"].append(sparse[name].kept)
+            r["seconds"] += seconds
     out = {"context": n, "sparsity": sparsity, "budget": max(1, n // sparsity), "windows": windows, "span": span,
            "dense_ce": dense_ce, "plans": {}}
     for name, r in rows.items():
@@ -227,28 +242,17 @@ def passkey(model, tok, plans: dict, n: int, sparsity: int, depths: list[int], t
     write the key first (the harness also counts a key written later in its answer). Dense is a row."""
     device = next(model.parameters()).device
     teacher = TeacherMask(1)
-    AttentionInterface.register(ATTENTION, teacher)
-    sparse = {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
+    sparse = selectors(model, plans, n, sparsity)
     found = {name: {d: [] for d in depths} for name in ["dense", *sparse]}
-    previous = model.config._attn_implementation
-    try:
-        for d in tqdm(depths, desc=f"passkey {n}, 1/{sparsity}", disable=not progress):
-            for t in range(trials):
-                key = passkey_key(seed, t)
-                answer = tok(f" {key}", add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-                ids = torch.cat([passkey_prompt(tok, n, d / 100, key)[0], answer[:-1]])[None].to(device)
-                A = answer.numel()
-                teacher.span = offset - 1 + A
-                with torch.no_grad():
-                    model.config._attn_implementation = previous
-                    found["dense"][d].append(bool((model(ids, use_cache=False).logits[0, -A:].argmax(-1).cpu() == answer).all()))
-                    model.config._attn_implementation = ATTENTION
-                    for name, sel in sparse.items():
-                        teacher.selector = sel
-                        sel.begin()
-                        found[name][d].append(bool((model(ids, use_cache=False).logits[0, -A:].argmax(-1).cpu() == answer).all()))
-    finally:
-        model.config._attn_implementation = previous
+    for d in tqdm(depths, desc=f"passkey {n}, 1/{sparsity}", disable=not progress):
+        for t in range(trials):
+            key = passkey_key(seed, t)
+            answer = tok(f" {key}", add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+            ids = torch.cat([passkey_prompt(tok, n, d / 100, key)[0], answer[:-1]])[None].to(device)
+            A = answer.numel()
+            teacher.span = offset - 1 + A
+            for name, logits, _ in forwards(model, ids, teacher, sparse):
+                found[name or "dense"][d].append(bool((logits[-A:].argmax(-1).cpu() == answer).all()))
     return {name: {str(d): sum(f[d]) / trials for d in depths} | {"trials": trials, "found": {str(d): f[d] for d in depths}}
             for name, f in found.items()}
 

@@ -47,7 +47,8 @@ class Plan:
     the keys (the paper) or `hash` signatures (4 bytes a key, then the refined layers re-score the
     pool exactly as with INT2); `roles` (one per layer: proposal / refined / dense) overrides the uniform
     grouping, "uniform" asks for it, and None (the default) takes the roles calibrated for the model
-    when sparse_fx ships them (`sparse_fx.role_tables`), else the uniform grouping; `dense_layers` stay dense under any method; `encoders` is the directory of trained
+    when sparse_fx ships them (`sparse_fx.role_tables`), else the uniform grouping; `dense_layers`
+    stay dense under any method; `encoders` is the directory of trained
     signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
 
     `mass` < 1 makes the budget adaptive: per layer, KV head and step, only the fewest candidates

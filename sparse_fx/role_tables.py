@@ -6,9 +6,8 @@ the calibrated roles keep 97.6% of the oracle's agreement at 2K-8K where the uni
 takes the table made for this model, G and proposal kind when one ships here, matched as trained
 encoders are (shapes and a sample of the weights); otherwise the uniform grouping. `roles="uniform"`
 (or the name suffix -uniform, e.g. prism-g4-uniform) asks for the uniform grouping; explicit roles
-or a plan file win over any table. A table is a
-calibrated plan's roles, the proposal kinds they were calibrated for, and the model's fingerprint
-(`table_of`).
+or a plan file win over any table. A table is a calibrated plan's roles, the proposal kinds they
+were calibrated for, and the model's fingerprint (`table_of`).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ def resolve(plan: Plan, model, info) -> Plan:
     for path, t in candidates:
         if same_weights(t["fingerprint"]["weights"], sample):
             note = (f"roles: calibrated for this model (sparse_fx/roles/{path.name}: {t['made_by']}); "
-                    f"{methods.get(plan.method).name}-g{plan.group}-uniform or roles='uniform' for the uniform grouping")
+                    f"{dataclasses.replace(plan, roles='uniform').name} or roles='uniform' for the uniform grouping")
             return dataclasses.replace(plan, roles=tuple(t["roles"]), note="; ".join(n for n in (plan.note, note) if n))
     return plan
 

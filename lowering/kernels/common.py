@@ -160,6 +160,18 @@ def eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, s
     return ok
 
 
+@triton.jit
+def slots_eligible(offs, lo_c, hi_c, mask_b, h, L, min_half, smh, sml,
+                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr):
+    """`eligible` for cache slots `offs` (int32) of a row_chunk range [lo_c, hi_c), which already lies
+    between the sink and the local window: the range and the mask only (the mask read with a bound
+    Triton can vectorise)."""
+    ok = (offs >= lo_c) & (offs < hi_c)
+    if HAS_MASK:
+        ok = ok & mask_readable(mask_b, 0, h, offs, offs < L, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+    return ok
+
+
 # ------------------------------------------------------------------------------ radix counts
 # A radix level's bin counts. tl.histogram costs a ballot per digit bit and a shared-memory merge
 # per block; for 16 bins it is cheaper to count per slot (each thread's element of the block) in

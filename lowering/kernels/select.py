@@ -29,7 +29,7 @@ import triton.language as tl
 from ..reference import WORD_BITS
 from .common import (
     FLOAT_DTYPES, PACKED_RUN, STREAM_WAVES, MaskView, count, counts_total, counts_zero, eligible, interpreting,
-    mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row,
+    mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
@@ -107,10 +107,8 @@ def _score_keys_block(
     if HAS_POS:
         cand = tl.load(pos_row + offs * spn, mask=live, other=-1).to(tl.int32)
         elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
-    else:  # [lo_c, hi_c) already lies between the sink and the local window: only the mask is left
-        elig = live
-        if HAS_MASK:
-            elig = live & mask_readable(mask_b, 0, h, offs, offs < L, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+    else:
+        elig = slots_eligible(offs, lo_c, hi_c, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     # Loads and the store cover the row's whole blocks (offs < N: in bounds, and a mask Triton can
     # vectorise), values outside [lo_c, hi_c) are masked: a block belongs to one program only.
     row = offs < N

@@ -14,8 +14,8 @@ from triton.language.extra import libdevice
 
 from ..reference import WORD_BITS, hamming_dtype
 from .common import (
-    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, count, counts_total, counts_zero, interpreting, mask_readable, on_kernel_device, pow2,
-    programs_per_row, row_chunk, row_of,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, count, counts_total, counts_zero, interpreting, on_kernel_device, pow2,
+    programs_per_row, row_chunk, row_of, slots_eligible,
 )
 
 
@@ -235,13 +235,10 @@ def _hash_keys_block(
     LB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     HW_POPC: tl.constexpr,
 ):
-    """Keys of one block of cache slots. Offsets are int32 (a row holds < 2**31 slots; the row
-    pointers carry the int64 part), and [lo_c, hi_c) already excludes the sink and the local
-    window, so eligibility is the range and the mask: a third of the instructions of `eligible`."""
-    elig = (offs >= lo_c) & (offs < hi_c)
+    """Keys of one block of cache slots (int32 offsets: a row holds < 2**31 slots; the row pointers
+    carry the int64 part)."""
+    elig = slots_eligible(offs, lo_c, hi_c, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     row = offs < N  # loads and the store cover whole blocks (vectorised); a block is one program's
-    if HAS_MASK:
-        elig = elig & mask_readable(mask_b, 0, h, offs, offs < L, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
     qi = tl.arange(0, W_PAD * G_PAD)
     dist = tl.zeros(offs.shape, tl.int32)
     for w in tl.static_range(W):
