@@ -4,11 +4,12 @@
 Each plan's step is called through the ops the compiled graph runs (torch.ops.sparse_fx.*):
   hash      query signature logits (a matmul) -> hash_select (Hamming keys fused with the select)
             -> sparse_decode_attention
-  prism-g4  a group of 4 layers: a proposal layer (int2_scores -> select the pool of rho * budget
-            -> its best budget -> attention) and three refined layers (mass_scores over the pool ->
-            select -> attention); reported per layer, as the group's average
-  prism-g4-hash  the same group with a signature proposal (hash_select of the pool -> Hamming
-            scores of the pool -> its best budget)
+  prism-g4  a group of 4 layers: a proposal layer (int2_scores -> select_nested: the pool of
+            rho * budget and its best budget in one selection -> attention) and three refined
+            layers (mass_scores over the pool -> select -> attention); reported per layer, as the
+            group's average
+  prism-g4-hash  the same group with a signature proposal (hash_select_nested: Hamming keys fused
+            with the pool's and the budget's selection)
 against dense decode attention over the whole cache (SDPA with enable_gqa, flash, unmasked: the
 best dense). bf16, Hq=32, Hkv=8, D=128 (Llama-3.1-8B), sink 128 + local 128 + budget.
 
@@ -89,17 +90,14 @@ class Steps:
         st, a = self.st, self.a
         if proposal == "hash":
             q_logits = (st.q[0] @ st.proj)[:, :, 0]
-            ranked = OPS.hash_select(q_logits, st.sig[0], st.pos, self.pool, a.sink, a.local, st.mask, None)
-            pool = ranked[:, :, self.win:]
-            rows = torch.gather(st.sig[0], 2, pool.clamp(min=0).long()[..., None].expand(-1, -1, -1, st.sig[0].shape[-1]))
-            at_pool = OPS.hamming_scores(OPS.pack_signs(q_logits), rows)
+            ranked, own = OPS.hash_select_nested(q_logits, st.sig[0], st.pos, self.pool, a.budget, a.sink, a.local,
+                                                 st.mask, None)
         else:
             codes, scale, zero = st.int2[0]
             scores = OPS.int2_scores(st.q[0], codes, scale, zero, st.pos)
-            ranked = OPS.select_topk(scores, st.pos, self.pool, a.sink, a.local, st.mask, None, None)
-            pool = ranked[:, :, self.win:]
-            at_pool = torch.gather(scores, 2, pool.clamp(min=0).long())
-        idx = [OPS.select_topk(at_pool, st.pos, a.budget, a.sink, a.local, st.mask, pool, None)]
+            ranked, own = OPS.select_nested(scores, st.pos, self.pool, a.budget, a.sink, a.local, st.mask, None)
+        pool = ranked[:, :, self.win:]
+        idx = [own]
         for j in (1, 2, 3):
             i = j % st.nl
             mass = OPS.mass_scores(st.q[i], st.k[i], None, st.mask, pool)
@@ -136,8 +134,6 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_mass_normalise_kernel": R * P * (4 * HQ // HKV + 4),
         "_sparse_attn_kernel": R * K * (2 * 2 * D + 4),  # gathered K and V rows, indices
         "_combine_kernel": B * HQ * D * 2,
-        "_pack_kernel": B * HQ * 32 * 4,  # the query's signature logits
-        "_hamming_kernel": R * P * (4 + 1),  # the pool's gathered signatures, scores
     }
 
 

@@ -157,6 +157,14 @@ def _check_select(pos: torch.Tensor, k: int, sink: int, local: int, batch: int, 
     _check(start is None or tuple(start.shape) == (batch,), f"{what}: start must be [B] = [{batch}], got {None if start is None else tuple(start.shape)}")
 
 
+def _check_hash(q_logits, k_sig, pos, k, sink, local, mask, start, what: str) -> None:
+    _check(q_logits.dim() == 3 and k_sig.dim() == 4 and q_logits.shape[-1] == ref.WORD_BITS * k_sig.shape[-1],
+           f"{what}: q_logits must be [B, Hq, 32W] and k_sig [B, Hkv, L, W], got {tuple(q_logits.shape)}, {tuple(k_sig.shape)}")
+    _check(q_logits.shape[1] % k_sig.shape[1] == 0, f"{what}: query heads must be a multiple of KV heads")
+    _check_select(pos, k, sink, local, k_sig.shape[0], start, what)
+    _check_mask(mask, q_logits[:, :, None], k_sig.shape[2], what)
+
+
 @triton_op("sparse_fx::select_topk", mutates_args=())
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -169,16 +177,36 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     return ref.select_topk(scores, pos, k, sink, local, mask, positions, start)
 
 
+@triton_op("sparse_fx::select_nested", mutates_args=())
+def select_nested(scores: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int, sink: int, local: int,
+                  mask: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(select_topk of the best k, select_topk of the best k_inner <= k within them): a Prism
+    proposal's pool and its own budget from one pass over the scores."""
+    _check_select(pos, k, sink, local, scores.shape[0], start, "select_nested")
+    _check(0 < k_inner <= k, f"select_nested: need 0 < k_inner <= k (got k_inner={k_inner}, k={k})")
+    if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, None, start):
+        return _kernels().select_topk(scores, pos, k, sink, local, mask, None, start, k_inner=k_inner)
+    return ref.select_nested(scores, pos, k, k_inner, sink, local, mask, start)
+
+
 @triton_op("sparse_fx::hash_select", mutates_args=())
 def hash_select(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int,
                 mask: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """select_topk of the Hamming similarities of the signed query logits [B,Hq,32W] against the
     key signatures [B,Hkv,L,W] (HashAttention's decode selection, scoring fused into the select)."""
-    _check(q_logits.dim() == 3 and k_sig.dim() == 4 and q_logits.shape[-1] == ref.WORD_BITS * k_sig.shape[-1],
-           f"hash_select: q_logits must be [B, Hq, 32W] and k_sig [B, Hkv, L, W], got {tuple(q_logits.shape)}, {tuple(k_sig.shape)}")
-    _check(q_logits.shape[1] % k_sig.shape[1] == 0, "hash_select: query heads must be a multiple of KV heads")
-    _check_select(pos, k, sink, local, k_sig.shape[0], start, "hash_select")
-    _check_mask(mask, q_logits[:, :, None], k_sig.shape[2], "hash_select")
+    _check_hash(q_logits, k_sig, pos, k, sink, local, mask, start, "hash_select")
     if k_sig.is_cuda and _kernels().hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask, start):
         return _kernels().hash_select(q_logits, k_sig, pos, k, sink, local, mask, start)
     return ref.hash_select(q_logits, k_sig, pos, k, sink, local, mask, start)
+
+
+@triton_op("sparse_fx::hash_select_nested", mutates_args=())
+def hash_select_nested(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int, sink: int,
+                       local: int, mask: Optional[torch.Tensor] = None,
+                       start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hash_select's selection nested as select_nested's (a signature proposal's pool and budget)."""
+    _check_hash(q_logits, k_sig, pos, k, sink, local, mask, start, "hash_select_nested")
+    _check(0 < k_inner <= k, f"hash_select_nested: need 0 < k_inner <= k (got k_inner={k_inner}, k={k})")
+    if k_sig.is_cuda and _kernels().hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask, start):
+        return _kernels().hash_select(q_logits, k_sig, pos, k, sink, local, mask, start, k_inner=k_inner)
+    return ref.hash_select_nested(q_logits, k_sig, pos, k, k_inner, sink, local, mask, start)

@@ -350,9 +350,26 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     return torch.cat([window, chosen], dim=-1).to(torch.int32)
 
 
+def select_nested(scores: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int, sink: int, local: int,
+                  mask: torch.Tensor | None = None, start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prism's proposal selection: (select_topk of the best k, and select_topk of the best k_inner
+    among those k by the same scores, with the chosen k as its candidate positions)."""
+    outer = select_topk(scores, pos, k, sink, local, mask, None, start)
+    pool = outer[..., sink + local:]
+    at_pool = torch.gather(scores, 2, pool.clamp(min=0).long())
+    return outer, select_topk(at_pool, pos, k_inner, sink, local, mask, pool, start)
+
+
 def hash_select(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int,
                 mask: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """HashAttention's decode selection in one op: the query logits [B,Hq,32W] signed and packed,
     scored by Hamming similarity against the key signatures [B,Hkv,L,W] (summed over each KV
     head's query heads), then `select_topk`. The kernels fuse scoring with the first selection pass."""
     return select_topk(hamming_scores(pack_signs(q_logits), k_sig), pos, k, sink, local, mask, None, start)
+
+
+def hash_select_nested(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int, sink: int,
+                       local: int, mask: torch.Tensor | None = None,
+                       start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_nested of the Hamming similarities `hash_select` ranks by."""
+    return select_nested(hamming_scores(pack_signs(q_logits), k_sig), pos, k, k_inner, sink, local, mask, start)

@@ -70,7 +70,7 @@ def test_exact_ops_under_inductor_equal_the_reference_bit_for_bit():
         o.signature_write(sig, logits, pos)
         chosen = o.select_topk(scores, pos, 12, 2, 3, mask, None, None)
         hashed = o.hash_select(q_logits, sig, pos, 12, 2, 3, mask, None)
-        return chosen, hashed
+        return chosen, hashed, *o.select_nested(scores, pos, 12, 5, 2, 3, mask, None)
 
     def buffers():
         return (torch.zeros(B, H, L, D // 16, dtype=torch.int32), torch.zeros(B, H, L, 2, dtype=torch.float16),
@@ -110,6 +110,8 @@ def _opcheck_cases():
         (OPS.mass_scores.default, (q, k, 0.3, mask, idx.long())),
         (OPS.select_topk.default, (torch.randn(1, 2, 20, generator=g), pos, 4, 2, 3, mask, None, torch.tensor([1]))),
         (OPS.hash_select.default, (torch.randn(1, 4, 32, generator=g), sig, pos, 4, 2, 3, mask, None)),
+        (OPS.select_nested.default, (torch.randn(1, 2, 20, generator=g), pos, 6, 3, 2, 3, mask, torch.tensor([1]))),
+        (OPS.hash_select_nested.default, (torch.randn(1, 4, 32, generator=g), sig, pos, 6, 3, 2, 3, mask, None)),
     ]
 
 

@@ -131,6 +131,63 @@ def test_select_topk_property(kind, mask_kind, pooled, k, sink, local, now, padd
     check(scores, torch.tensor([now], device=DEV), k, sink, local, mask, positions, start)
 
 
+def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **knobs):
+    """The nested kernel equals the reference, whose inner list is the top k_inner of all candidates."""
+    with poisoned():
+        out, inner = (t.cpu() for t in K.select_topk(scores, pos, k, sink, local, mask, None, start, k_inner=k_inner, **knobs))
+    assert (out != SENTINEL).all() and (inner != SENTINEL).all(), "an output slot was never written"
+    cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (scores, pos, k, k_inner, sink, local, mask, start)]
+    want, want_in = ref.select_nested(*cpu)
+    assert torch.equal(out, want), f"outer: kernel != reference at {(out != want).nonzero()[:5].tolist()}"
+    assert torch.equal(inner, want_in), f"inner: kernel != reference at {(inner != want_in).nonzero()[:5].tolist()}"
+    assert torch.equal(want, contract(scores, pos, k, sink, local, mask, None, start)), "outer reference != contract"
+    assert torch.equal(want_in, contract(scores, pos, k_inner, sink, local, mask, None, start)), "inner reference != contract"
+
+
+@MORE
+@given(kind=st.sampled_from(KINDS), mask_kind=st.sampled_from(["none", "bool", "min", "inf-head"]), k=st.integers(1, 320),
+       inner=st.integers(1, 320), sink=st.integers(0, 20), local=st.integers(1, 40), now=st.integers(0, 299),
+       padded=st.booleans(), level_bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
+def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, padded, level_bits, seed):
+    """A Prism proposal's pool and budget in one selection: the pool is select_topk's k, the budget
+    the best k_inner of all candidates (hence of the pool), ties to the later candidate in both."""
+    g = gen(seed)
+    B, Hkv, L = 2, 2, 300
+    scores = _scores(kind, B, Hkv, L, g).to(DEV)
+    mask = make_mask(mask_kind, B, Hkv * 2, L, g, now=now)
+    start = None
+    if padded:
+        start = torch.tensor([0, min(now, 17)], dtype=torch.int32, device=DEV)
+        if mask is not None:
+            mask[1, ..., : int(start[1])] = False if mask.dtype == torch.bool else float("-inf")
+    check_nested(scores, torch.tensor([now], device=DEV), k, min(inner, k), sink, local, mask, start,
+                 level_bits=level_bits, block=64, waves=64)
+
+
+@pytest.mark.parametrize("G,W", [(4, 1), (8, 1)])  # 8-bit and 16-bit Hamming keys
+def test_hash_select_nested_equals_its_reference(G, W):
+    g = gen(40 + G)
+    B, Hkv, L = 2, 2, 2500
+    q_logits = torch.randn(B, Hkv * G, 32 * W, generator=g).to(DEV)
+    k_sig = torch.randint(-(2**31), 2**31 - 1, (B, Hkv, L, W), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
+    mask = make_mask("bool", B, Hkv * G, L, g, now=2400)
+    start = torch.tensor([0, 9], dtype=torch.int32, device=DEV)
+    pos = torch.tensor([2400], device=DEV)
+    for k, k_inner in ((400, 100), (3000, 100)):  # a pool with ties at its edge; a pool of every candidate
+        with poisoned():
+            out, inner = (t.cpu() for t in K.hash_select(q_logits, k_sig, pos, k, 8, 8, mask, start, k_inner=k_inner))
+        want, want_in = ref.hash_select_nested(q_logits.cpu(), k_sig.cpu(), pos.cpu(), k, k_inner, 8, 8, mask.cpu(), start.cpu())
+        assert torch.equal(out, want) and torch.equal(inner, want_in)
+        assert torch.equal(want_in, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), k_inner, 8, 8, mask.cpu(), start.cpu()))
+
+
+def test_nested_selection_rejects_an_inner_budget_above_the_pool():
+    from sparse_fx.lowering import ops
+
+    with pytest.raises(ValueError, match="k_inner <= k"):
+        ops.select_nested(torch.randn(1, 1, 50), torch.tensor([40]), 8, 16, 2, 2)
+
+
 @pytest.mark.parametrize("knobs", [dict(level_bits=4), dict(block=1024, waves=64), dict(block=4096, waves=1, warps=8)])
 def test_launch_knobs_do_not_change_the_selection(knobs):
     """Levels of the radix select and the chunking of a row over programs are invisible."""
@@ -225,3 +282,18 @@ def test_select_real_shapes(kind, L, k):
     mask = torch.ones(2, 1, 1, L, dtype=torch.bool, device=DEV)
     out = K.select_topk(scores, pos, k, 128, 128, mask)
     assert torch.equal(out.cpu(), ref.select_topk(scores.cpu(), pos.cpu(), k, 128, 128, mask.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["float", "ties"])
+def test_select_nested_real_shapes(kind):
+    """A Prism proposal at 128K: the pool of 16384 and its budget of 4096 in one selection."""
+    g = gen(17)
+    L = 131072
+    scores = _scores(kind, 2, 8, L, g).to(DEV)
+    pos = torch.tensor([L - 5], device=DEV)
+    mask = torch.ones(2, 1, 1, L, dtype=torch.bool, device=DEV)
+    out, inner = K.select_topk(scores, pos, 16384, 128, 128, mask, k_inner=4096)
+    want, want_in = ref.select_nested(scores.cpu(), pos.cpu(), 16384, 4096, 128, 128, mask.cpu())
+    assert torch.equal(out.cpu(), want) and torch.equal(inner.cpu(), want_in)

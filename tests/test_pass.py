@@ -151,8 +151,10 @@ def test_prism_pool_is_a_graph_edge_from_proposal_to_refined():
     mass = [n for n in g.nodes if n.target == OPS.mass_scores.default]
     assert len(int2) == 2 and len(mass) == 2  # layers 0, 2 propose; 1, 3 refine
     for refined, proposal in zip(mass, int2):
-        pool = refined.args[4]  # positions: the proposal layer's pool slice
-        assert pool.target.__name__ == "getitem" and pool.args[0].args[0] is proposal
+        pool = refined.args[4]  # positions: the proposal layer's pool slice of its nested selection's first list
+        ranked = pool.args[0]
+        assert pool.target.__name__ == "getitem" and ranked.target.__name__ == "getitem" and ranked.args[1] == 0
+        assert ranked.args[0].target == OPS.select_nested.default and ranked.args[0].args[0] is proposal
     rows = sparse_fx.explain(model).rows
     assert [r.role for r in rows] == ["proposal", "refined", "proposal", "refined"]
     assert "from L0" in rows[1].budget and "pool 6" in rows[0].budget

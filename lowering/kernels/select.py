@@ -18,6 +18,11 @@ query (pos[-1]) minus the local window: slots beyond, written or not, are never 
          before it, so the chosen list comes out in candidate order, the same on every run.
 
 Program 0 of each row also writes the sink / local window and the -1 padding.
+
+Nested (`select_nested`, Prism's proposal: a pool of the best k and the best k_inner within it):
+the inner selection is the top k_inner of the same keys, so the key pass and its level-0 counts
+serve both; the deeper levels count twice (each its own prefix, into a second `cum`), and the
+select pass writes both lists from one read of the keys.
 """
 
 from __future__ import annotations
@@ -62,11 +67,12 @@ def threshold(rowcum, need, NB: tl.constexpr):
 
 
 @triton.jit
-def descend(cum_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_PAD: tl.constexpr):
+def descend(cum_ptr, deep_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_PAD: tl.constexpr):
     """Walk the first DONE radix levels of row r from the per-program suffix counts in `cum`
-    ([levels, R, PROGS, 2^LB], a private scratch): the key prefix holding the k-th key, how many
-    keys to take (min(k, eligible)), how many lie above the prefix, how many of those sit in the
-    chunks of programs before p; and, at the last level, the row's and those chunks' ties."""
+    ([levels, R, PROGS, 2^LB], a private scratch; levels after the first from `deep_ptr`, which is
+    cum_ptr itself or a nested selection's own counts): the key prefix holding the k-th key, how
+    many keys to take (min(k, eligible)), how many lie above the prefix, how many of those sit in
+    the chunks of programs before p; and, at the last level, the row's and those chunks' ties."""
     NB: tl.constexpr = 1 << LB
     i = tl.arange(0, NB)
     pp = tl.arange(0, P_PAD)
@@ -78,8 +84,11 @@ def descend(cum_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.constexpr, P_
     ties = tl.zeros([], tl.int32)
     t_before = tl.zeros([], tl.int32)
     for lvl in tl.static_range(DONE):
-        tile = tl.load(cum_ptr + ((lvl * R + r) * PROGS + pp)[:, None] * NB + i[None, :],
-                       mask=(pp < PROGS)[:, None], other=0)
+        if lvl == 0:
+            tile = tl.load(cum_ptr + (r * PROGS + pp)[:, None] * NB + i[None, :], mask=(pp < PROGS)[:, None], other=0)
+        else:
+            tile = tl.load(deep_ptr + ((lvl * R + r) * PROGS + pp)[:, None] * NB + i[None, :],
+                           mask=(pp < PROGS)[:, None], other=0)
         rowcum = tl.sum(tile, axis=0)
         if lvl == 0:
             need = tl.minimum(tl.sum(tl.where(i == 0, rowcum, 0), axis=0), K)
@@ -169,52 +178,64 @@ def _score_keys_kernel(
 
 # ------------------------------------------------------------------------------ deeper levels
 @triton.jit
+def _hist_block(keys_row, offs, N, prefix, prefix_in, c0, c1, c2, c3, d0, d1, d2, d3,
+                SHIFT: tl.constexpr, LB: tl.constexpr, NESTED: tl.constexpr):
+    """Count one block's digits under the prefix (and, nested, under the inner selection's)."""
+    NB: tl.constexpr = 1 << LB
+    # whole blocks: the key pass wrote 0 ("not a candidate") outside [lo_c, hi_c) in them
+    key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
+    digit = (key >> SHIFT) & (NB - 1)
+    c0, c1, c2, c3 = count(c0, c1, c2, c3, digit, (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
+    if NESTED:
+        d0, d1, d2, d3 = count(d0, d1, d2, d3, digit, (key > 0) & ((key >> (SHIFT + LB)) == prefix_in), NB)
+    return c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
 def _hist_kernel(
     tpos_ptr, start_ptr, keys_ptr, cum_ptr,
-    Hkv, N, sink, local, K, PROGS,
+    Hkv, N, sink, local, K, K_IN, PROGS,
     LEVEL: tl.constexpr,  # this level's digit; the levels above come from their counts in `cum`
     KEY_BITS: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr, P_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_START: tl.constexpr, USE_FOR: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_START: tl.constexpr,
+    NESTED: tl.constexpr,  # also count for the inner selection (top K_IN), into the second half of `cum`
+    USE_FOR: tl.constexpr,
 ):
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, _ = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
-    prefix, _, _, _, _, _ = descend(cum_ptr, r, p, R, PROGS, K, LEVEL, LB, P_PAD)
+    NB: tl.constexpr = 1 << LB
+    cum_in = cum_ptr + (KEY_BITS // LB) * R * PROGS * NB
+    prefix, _, _, _, _, _ = descend(cum_ptr, cum_ptr, r, p, R, PROGS, K, LEVEL, LB, P_PAD)
+    prefix_in = prefix
+    if NESTED:
+        prefix_in, _, _, _, _, _ = descend(cum_ptr, cum_in, r, p, R, PROGS, K_IN, LEVEL, LB, P_PAD)
     keys_row = keys_ptr + r.to(tl.int64) * N
     base = tl.arange(0, BLOCK)
-    NB: tl.constexpr = 1 << LB
     SHIFT: tl.constexpr = KEY_BITS - (LEVEL + 1) * LB
     c0, c1, c2, c3 = counts_zero(BLOCK, NB)
+    d0, d1, d2, d3 = counts_zero(BLOCK, NB)
     if USE_FOR:
         for j in tl.range(blk, end):
-            offs = j * BLOCK + base
-            # whole blocks: the key pass wrote 0 ("not a candidate") outside [lo_c, hi_c) in them
-            key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
-            c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _hist_block(keys_row, j * BLOCK + base, N, prefix, prefix_in,
+                                                         c0, c1, c2, c3, d0, d1, d2, d3, SHIFT, LB, NESTED)
     else:
         while blk < end:
-            offs = blk * BLOCK + base
-            key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
-            c0, c1, c2, c3 = count(c0, c1, c2, c3, (key >> SHIFT) & (NB - 1), (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _hist_block(keys_row, blk * BLOCK + base, N, prefix, prefix_in,
+                                                         c0, c1, c2, c3, d0, d1, d2, d3, SHIFT, LB, NESTED)
             blk += 1
-    acc = counts_total(c0, c1, c2, c3, NB)
-    tl.store(cum_ptr + ((LEVEL * R + r) * PROGS + p) * NB + tl.arange(0, NB), tl.cumsum(acc, 0, reverse=True))
+    at = ((LEVEL * R + r) * PROGS + p) * NB + tl.arange(0, NB)
+    tl.store(cum_ptr + at, tl.cumsum(counts_total(c0, c1, c2, c3, NB), 0, reverse=True))
+    if NESTED:
+        tl.store(cum_in + at, tl.cumsum(counts_total(d0, d1, d2, d3, NB), 0, reverse=True))
 
 
 # ------------------------------------------------------------------------------ select pass
 @triton.jit
-def _take_block(keys_row, pos_row, offs, lo_c, hi_c, N, spn, out_row, sok, thr, skip, a_run, t_run, HAS_POS: tl.constexpr):
-    """Write the taken candidates of one block at their ranks; returns the updated running counts.
-    (The positions of a pool are read here but feed only stored values, never an address.)"""
-    live = (offs >= lo_c) & (offs < hi_c)
-    key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF  # 0 outside [lo_c, hi_c): key pass
-    if HAS_POS:
-        cand = tl.load(pos_row + offs * spn, mask=live, other=-1)
-    else:
-        cand = offs
-    live = live & (key > 0)
+def _take(key, live, cand, out_row, sok, thr, skip, a_run, t_run):
+    """Write the taken candidates of one block at their ranks; returns the updated running counts."""
     above = live & (key > thr)
     tie = live & (key == thr)
     packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both counts
@@ -229,38 +250,82 @@ def _take_block(keys_row, pos_row, offs, lo_c, hi_c, N, spn, out_row, sok, thr, 
 
 
 @triton.jit
+def _take_block(keys_row, pos_row, offs, lo_c, hi_c, N, spn, out_row, sok, thr, skip, a_run, t_run,
+                in_row, sik, thr_in, skip_in, a_in, t_in, HAS_POS: tl.constexpr, NESTED: tl.constexpr):
+    """One block of the select pass: its keys read once, taken into the list (and the inner list).
+    (The positions of a pool are read here but feed only stored values, never an address.)"""
+    live = (offs >= lo_c) & (offs < hi_c)
+    key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF  # 0 outside [lo_c, hi_c): key pass
+    if HAS_POS:
+        cand = tl.load(pos_row + offs * spn, mask=live, other=-1)
+    else:
+        cand = offs
+    live = live & (key > 0)
+    a_run, t_run = _take(key, live, cand, out_row, sok, thr, skip, a_run, t_run)
+    if NESTED:
+        a_in, t_in = _take(key, live, cand, in_row, sik, thr_in, skip_in, a_in, t_in)
+    return a_run, t_run, a_in, t_in
+
+
+@triton.jit
+def _threshold_of(cum_ptr, deep_ptr, r, p, R, PROGS, K, LEVELS: tl.constexpr, LB: tl.constexpr, P_PAD: tl.constexpr):
+    """The threshold key, how many to take, the ties passed over, and this chunk's running counts."""
+    thr, need, above, a_run, ties, t_run = descend(cum_ptr, deep_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
+    thr = tl.where(need > 0, thr, 1 << 20)  # nothing to take: no key reaches it
+    skip = ties - (need - above)  # ties passed over before the taken ones (the most recent are taken)
+    return thr, need, skip, a_run, t_run
+
+
+@triton.jit
+def _pad(out_row, sok, need, K):
+    """-1 in the list's slots [need, K): fewer eligible candidates than the budget."""
+    p0 = tl.maximum(need, 0)
+    while p0 < K:
+        jp = p0 + tl.arange(0, WIN_BLOCK)
+        tl.store(out_row + jp * sok, tl.full([WIN_BLOCK], -1, tl.int32), mask=jp < K)
+        p0 += WIN_BLOCK
+
+
+@triton.jit
 def _select_kernel(
-    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr,
-    Hkv, N, L, sink, local, K, min_half, PROGS,
-    spb, sph, spn, smb, smh, sml, sob, soh, sok,
+    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, in_ptr,
+    Hkv, N, L, sink, local, K, K_IN, min_half, PROGS,
+    spb, sph, spn, smb, smh, sml, sob, soh, sok, sib, sih, sik,
     BLOCK: tl.constexpr, P_PAD: tl.constexpr,
     LEVELS: tl.constexpr, LB: tl.constexpr,  # KEY_BITS = LEVELS * LB
     HAS_POS: tl.constexpr, HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    MASK_HEADS: tl.constexpr, USE_FOR: tl.constexpr,
+    MASK_HEADS: tl.constexpr,
+    NESTED: tl.constexpr,  # also write the inner selection (top K_IN) to in_ptr
+    USE_FOR: tl.constexpr,
 ):
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
-    # the threshold key, the counts above it and tied with it, and this chunk's share before it
-    thr, need, above, a_run, ties, t_run = descend(cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
-    thr = tl.where(need > 0, thr, 1 << 20)  # nothing to take: no key reaches it
-    skip = ties - (need - above)  # ties passed over before the taken ones (the most recent are taken)
+    thr, need, skip, a_run, t_run = _threshold_of(cum_ptr, cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
+    thr_in, need_in, skip_in, a_in, t_in = thr, need, skip, a_run, t_run
+    if NESTED:
+        cum_in = cum_ptr + LEVELS * R * PROGS * (1 << LB)
+        thr_in, need_in, skip_in, a_in, t_in = _threshold_of(cum_ptr, cum_in, r, p, R, PROGS, K_IN, LEVELS, LB, P_PAD)
 
     row = out_ptr + b * sob + h * soh
     out_row = row + (sink + local) * sok
+    row_in = in_ptr + b * sib + h * sih
+    in_row = row_in + (sink + local) * sik
     keys_row = keys_ptr + r.to(tl.int64) * N
     pos_row = pos_ptr + b * spb + h * sph
     base = tl.arange(0, BLOCK)
     if USE_FOR:
         for jb in tl.range(blk, end):
-            a_run, t_run = _take_block(keys_row, pos_row, jb * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok, thr, skip,
-                                       a_run, t_run, HAS_POS)
+            a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, jb * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok,
+                                                   thr, skip, a_run, t_run, in_row, sik, thr_in, skip_in, a_in, t_in,
+                                                   HAS_POS, NESTED)
     else:
         while blk < end:
-            a_run, t_run = _take_block(keys_row, pos_row, blk * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok, thr, skip,
-                                       a_run, t_run, HAS_POS)
+            a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, blk * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok,
+                                                   thr, skip, a_run, t_run, in_row, sik, thr_in, skip_in, a_in, t_in,
+                                                   HAS_POS, NESTED)
             blk += 1
 
     if p == 0:  # the window (reference order: sink, then now-local+1 .. now) and the padding
@@ -275,13 +340,14 @@ def _select_kernel(
             if HAS_MASK:
                 ok = mask_readable(mask_b, 0, h, tl.minimum(tl.maximum(q, 0), L - 1), ok, 0, smh, sml, min_half,
                                    MASK_HEADS, MASK_BOOL)
-            tl.store(row + jw * sok, tl.where(ok, q, -1).to(tl.int32), mask=jw < WIN)
+            win = tl.where(ok, q, -1).to(tl.int32)
+            tl.store(row + jw * sok, win, mask=jw < WIN)
+            if NESTED:
+                tl.store(row_in + jw * sik, win, mask=jw < WIN)
             w0 += WIN_BLOCK
-        p0 = tl.maximum(need, 0)
-        while p0 < K:
-            jp = p0 + tl.arange(0, WIN_BLOCK)
-            tl.store(out_row + jp * sok, tl.full([WIN_BLOCK], -1, tl.int32), mask=jp < K)
-            p0 += WIN_BLOCK
+        _pad(out_row, sok, need, K)
+        if NESTED:
+            _pad(in_row, sik, need_in, K_IN)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -325,9 +391,11 @@ def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, 
     return progs
 
 
-def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps):
+def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps,
+               inner=None):
     """The deeper histogram levels and the select pass over the keys (and level-0 counts in
-    `cum`) a key pass wrote, with the same `block` and `progs`: every pass cuts the same chunks."""
+    `cum`) a key pass wrote, with the same `block` and `progs`: every pass cuts the same chunks.
+    inner: (k_inner, its output) for a nested selection (`cum` then holds a second set of levels)."""
     B, Hkv, _ = out.shape
     R, N = keys.shape
     has_pos, has_start = positions is not None, start is not None
@@ -336,33 +404,42 @@ def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, o
     start_t = start if has_start else pos
     L = ma.tensor.shape[-1] if ma.present else 1
     levels = key_bits // lb
-    common = dict(BLOCK=block, P_PAD=pow2(progs), LB=lb, HAS_POS=has_pos, HAS_START=has_start,
+    k_in, out_in = inner if inner is not None else (k, out)
+    common = dict(BLOCK=block, P_PAD=pow2(progs), LB=lb, HAS_POS=has_pos, HAS_START=has_start, NESTED=inner is not None,
                   USE_FOR=not interpreting(), num_warps=warps)
     for level in range(1, levels):
         torch.library.wrap_triton(_hist_kernel)[(progs, R)](
-            pos, start_t, keys, cum, Hkv, N, sink, local, k, progs, LEVEL=level, KEY_BITS=key_bits, **common)
+            pos, start_t, keys, cum, Hkv, N, sink, local, k, k_in, progs, LEVEL=level, KEY_BITS=key_bits, **common)
     torch.library.wrap_triton(_select_kernel)[(progs, R)](
-        pos, start_t, pos_t, ma.tensor, keys, cum, out,
-        Hkv, N, L, sink, local, k, ma.min_half, progs,
-        *sp, ma.sb, ma.sh, ma.sl, *out.stride(),
+        pos, start_t, pos_t, ma.tensor, keys, cum, out, out_in,
+        Hkv, N, L, sink, local, k, k_in, ma.min_half, progs,
+        *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
         LEVELS=levels, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, **common)
     return out
 
 
+def _counts(levels: int, R: int, progs: int, lb: int, nested: bool, dev) -> torch.Tensor:
+    """The per-program suffix counts of every radix level (twice for a nested selection)."""
+    return torch.empty((2 if nested else 1) * levels, R, progs, 1 << lb, dtype=torch.int32, device=dev)
+
+
 def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, block=BLOCK, warps=4,
-                waves=WAVES, level_bits=LEVEL_BITS):
+                waves=WAVES, level_bits=LEVEL_BITS, k_inner=None):
     """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded.
-    block / warps / waves (programs per SM) are tuning knobs (bench/kernel_tuning.py)."""
+    With k_inner (reference.select_nested): that list and the one of the best k_inner, both from
+    one pass over the scores. block / warps / waves (programs per SM) are tuning knobs
+    (bench/kernel_tuning.py)."""
     B, Hkv, N = scores.shape
     R = B * Hkv
     dev = scores.device
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
+    out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
-        return out
+        return out if k_inner is None else (out, out_in)
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits)
     keys = torch.empty(R, N, dtype=torch.int16, device=dev)
-    cum = torch.empty(16 // level_bits, R, progs, 1 << level_bits, dtype=torch.int32, device=dev)
+    cum = _counts(16 // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, scores)
     has_pos, has_start = positions is not None, start is not None
     pos_t = positions if has_pos else scores
@@ -376,7 +453,9 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=No
         MASK_HEADS=ma.heads, KIND=SCORE_KIND[scores.dtype], USE_FOR=not interpreting(),
         num_warps=warps,
     )
-    return run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps)
+    run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
+               None if k_inner is None else (k_inner, out_in))
+    return out if k_inner is None else (out, out_in)
 
 
 def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start=None) -> bool:
@@ -398,8 +477,9 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
 
 
 def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=HASH_BLOCK, warps=4,
-                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS):
-    """reference.hash_select: Hamming keys fused with the first selection pass, then select."""
+                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS, k_inner=None):
+    """reference.hash_select: Hamming keys fused with the first selection pass, then select (with
+    k_inner, also the best k_inner as reference.hash_select_nested)."""
     from .signatures import _hash_keys_kernel
 
     B, Hq, _ = q_logits.shape
@@ -408,22 +488,25 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     R = B * Hkv
     dev = k_sig.device
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
+    out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
-        return out
+        return out if k_inner is None else (out, out_in)
     key_bits = 16 if G * WORD_BITS * W + 1 > 255 else 8  # similarity + 1
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
-    cum = torch.empty(key_bits // level_bits, R, progs, 1 << level_bits, dtype=torch.int32, device=dev)
+    cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, k_sig)
     L = mask.shape[-1] if mask is not None else 1
     torch.library.wrap_triton(_hash_keys_kernel)[(progs, R)](
         q_logits, k_sig, pos, start if start is not None else pos, ma.tensor, keys, cum,
-        Hkv, N, L, sink, local, k, ma.min_half, progs,
+        Hkv, N, L, sink, local, k if k_inner is None else min(k, k_inner), ma.min_half, progs,
         *q_logits.stride(), *k_sig.stride(), ma.sb, ma.sh, ma.sl,
         G=G, G_PAD=pow2(G), W=W, W_PAD=pow2(W), KEY_BITS=key_bits, LB=level_bits, BLOCK=block,
         HAS_START=start is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
         HW_POPC=not interpreting(), USE_FOR=not interpreting(),
         num_warps=warps,
     )
-    return run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps)
+    run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps,
+               None if k_inner is None else (k_inner, out_in))
+    return out if k_inner is None else (out, out_in)

@@ -197,20 +197,22 @@ class Prism(Method):
         p = state.plan
         side = site.side
         window = (slice(None), slice(None), slice(p.window, None))
-        if p.proposal == "hash":
+        if p.proposal == "hash":  # a budget by Hamming similarity: the best of the pool are the best of all
             q_logits = query_logits(emit, state, site)
-            ranked = emit.call(OPS.hash_select.default, q_logits, side["signatures"], site.pos, p.pool, p.sink,
-                               p.local, site.mask, site.start)
-            pool = emit.call(operator.getitem, ranked, window)
-            q_sig = emit.call(OPS.pack_signs.default, q_logits)
-            at_pool = emit.call(OPS.hamming_scores.default, q_sig, emit.call(_at, side["signatures"], pool))
-            return pool, self.topk(emit, state, site, at_pool, p.budget, pool)
+            both = emit.call(OPS.hash_select_nested.default, q_logits, side["signatures"], site.pos, p.pool, p.budget,
+                             p.sink, p.local, site.mask, site.start)
+            ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
+            return emit.call(operator.getitem, ranked, window), idx
         scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
+        if p.mass == 1:  # the pool and the layer's own budget from one selection over the scores
+            both = emit.call(OPS.select_nested.default, scores, site.pos, p.pool, p.budget, p.sink, p.local, site.mask,
+                             site.start)
+            ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
+            return emit.call(operator.getitem, ranked, window), idx
         ranked = self.topk(emit, state, site, scores, p.pool)
         pool = emit.call(operator.getitem, ranked, window)
         at_pool = emit.call(_at, scores, pool)
-        mass = None if p.mass == 1 else emit.call(_int2_mass, at_pool, pool,
-                                                   site.kv.head_dim**-0.5 if site.scale is None else site.scale)
+        mass = emit.call(_int2_mass, at_pool, pool, site.kv.head_dim**-0.5 if site.scale is None else site.scale)
         return pool, self.topk(emit, state, site, at_pool, p.budget, pool, mass=mass)
 
     def _refine(self, emit, state, site, pool, proposal_idx):
@@ -228,12 +230,9 @@ class Static(Prism):
     shipped_roles = False  # the ablation baseline keeps its uniform grouping unless given roles
 
 
-def _at(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """t [B,Hkv,L,*tail] (scores, or signature rows) read at positions [B,Hkv,N] -> [B,Hkv,N,*tail]
-    (-1 reads slot 0; the select ignores it)."""
-    idx = positions.clamp(min=0).long()
-    tail = t.shape[3:]
-    return torch.gather(t, 2, idx.reshape(*idx.shape, *(1 for _ in tail)).expand(*idx.shape, *tail))
+def _at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores [B,Hkv,L] read at positions [B,Hkv,N] (-1 reads slot 0; the select ignores it)."""
+    return torch.gather(scores, 2, positions.clamp(min=0).long())
 
 
 def _int2_mass(scores: torch.Tensor, pool: torch.Tensor, scale: float) -> torch.Tensor:
