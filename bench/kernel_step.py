@@ -6,8 +6,8 @@ Each plan's step is called through the ops the compiled graph runs (torch.ops.sp
             -> sparse_decode_attention
   prism-g4  a group of 4 layers: a proposal layer (int2_scores -> select_nested: the pool of
             rho * budget and its best budget in one selection -> attention) and three refined
-            layers (mass_scores over the pool -> select -> attention); reported per layer, as the
-            group's average
+            layers (mass_select: the pool's logits, then a selection whose key pass computes the
+            mass from them -> attention); reported per layer, as the group's average
   prism-g4-hash  the same group with a signature proposal (hash_select_nested: Hamming keys fused
             with the pool's and the budget's selection)
 against dense decode attention over the whole cache (SDPA with enable_gqa, flash, unmasked: the
@@ -100,8 +100,7 @@ class Steps:
         idx = [own]
         for j in (1, 2, 3):
             i = j % st.nl
-            mass = OPS.mass_scores(st.q[i], st.k[i], None, st.mask, pool)
-            idx.append(OPS.select_topk(mass, st.pos, a.budget, a.sink, a.local, st.mask, pool, None))
+            idx.append(OPS.mass_select(st.q[i], st.k[i], None, st.mask, pool, st.pos, a.budget, a.sink, a.local, None))
         return [OPS.sparse_decode_attention(st.q[j % st.nl], st.k[j % st.nl], st.v[j % st.nl], x, None, st.mask)
                 for j, x in enumerate(idx)]
 
@@ -131,7 +130,6 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_int2_scores_kernel": R * n * (D // 4 + 4 * (D // 32) + 4),  # codes, fp16 scale/zero, fp32 score
         "_score_keys_kernel": R * n * (4 + 2) + B * n,
         "_mass_logits_kernel": R * P * (2 * D + 8 + 4 * HQ // HKV),  # pool K rows, positions, logits scratch
-        "_mass_normalise_kernel": R * P * (4 * HQ // HKV + 4),
         "_sparse_attn_kernel": R * K * (2 * 2 * D + 4),  # gathered K and V rows, indices
         "_combine_kernel": B * HQ * D * 2,
     }

@@ -100,6 +100,10 @@ def check_correctness() -> list[str]:
     a = S.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
     b2 = ref.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
     out.append(f"select_topk pool: {'exact' if torch.equal(a, b2) else 'MISMATCH ' + str(int((a != b2).sum()))}")
+    a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start, k_inner=300)
+    b3 = ref.select_nested(sc, pos, 1024, 300, SINK, LOCAL, mask, start)
+    same = torch.equal(a[0], b3[0]) and torch.equal(a[1], b3[1])
+    out.append(f"select_nested float ties: {'exact' if same else 'MISMATCH'}")
     q = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -157,7 +161,7 @@ def main() -> None:
         profile = {}
         if want("hash"):
             hash_bytes = R * L * (4 + 1 + 1 + 1)  # signatures, mask row, keys written and read
-            space = dict(block=[1024, 2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
+            space = dict(block=[1024, 2048], warps=[4, 8], waves=[4, 16], level_bits=[4, 8], cap=[16, 64])
             record("hash_select", sweep("hash_select", space, lambda **c: per_layer(
                 lambda i: S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask, None, **c)),
                 hash_bytes * nl, copy, res["rows"], shape))
@@ -172,10 +176,13 @@ def main() -> None:
             scores = [I.int2_scores(st.q[i], *st.int2[i], st.pos) for i in range(nl)]
         if want("select"):
             sel_bytes = R * L * (4 + 1 + 2 + 2 + 2)
-            space = dict(block=[2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8])
+            space = dict(block=[2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8], cap=[16, 64])
             record("select_pool", sweep("select_topk 128K->pool", space, lambda **c: per_layer(
                 lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
                 sel_bytes * nl, copy, res["rows"], shape))
+            record("select_nested", sweep("select_nested 128K->pool+budget", space, lambda **c: per_layer(
+                lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, k_inner=BUDGET, **c)),
+                (sel_bytes + R * BUDGET * 4) * nl, copy, res["rows"], shape))
             if old is not None:
                 best["select_pool_old"] = dict(ms=benchlib.time_graph(per_layer(
                     lambda i: old.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask))) / nl)
@@ -183,7 +190,7 @@ def main() -> None:
                      for i in range(nl)]
             pscores = [torch.gather(scores[i], 2, pools[i].clamp(min=0).long()) for i in range(nl)]
             record("select_in_pool", sweep("select_topk in pool", dict(block=[1024, 4096], warps=[4], waves=[4, 8],
-                                                                       level_bits=[4, 8]),
+                                                                       level_bits=[4, 8], cap=[16, 64]),
                                            lambda **c: per_layer(lambda i: S.select_topk(
                                                pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
                                            R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape))
@@ -222,12 +229,12 @@ def main() -> None:
     res["wall_s"] = time.perf_counter() - T0
     benchlib.save(ARGS.out, stem, res)
     print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
-          f"{'inpool':>7} {'attn':>7} {'old':>7}   (us per layer)")
+          f"{'nested':>7} {'inpool':>7} {'attn':>7} {'old':>7}   (us per layer)")
     for b in res["best"]:
         def us(key):
             return f"{b[key]['ms'] * 1e3:.1f}" if key in b else "-"
         print(f"{b['context']:>7} {b['batch']:>3} {us('dense_sdpa'):>8} {us('hash_select'):>9} {us('hash_select_old'):>7} "
-              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} "
+              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} {us('select_nested'):>7} "
               f"{us('select_in_pool'):>7} {us('attention'):>7} {us('attention_old'):>7}")
     print(f"wall {res['wall_s']:.0f} s")
 

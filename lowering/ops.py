@@ -189,6 +189,21 @@ def select_nested(scores: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int,
     return ref.select_nested(scores, pos, k, k_inner, sink, local, mask, start)
 
 
+@triton_op("sparse_fx::mass_select", mutates_args=())
+def mass_select(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], mask: Optional[torch.Tensor], positions: torch.Tensor,
+                pos: torch.Tensor, budget: int, sink: int, local: int, start: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """select_topk of the pool `positions` [B,Hkv,N] by mass_scores (a Prism refined layer), the
+    mass never written out."""
+    _check_gqa(q, k, "mass_select")
+    _check_mask(mask, q, k.shape[2], "mass_select")
+    _check_select(pos, budget, sink, local, q.shape[0], start, "mass_select")
+    _check(positions.dim() == 3 and positions.shape[:2] == k.shape[:2],
+           f"mass_select: positions must be [B, Hkv, N] = [{k.shape[0]}, {k.shape[1]}, N], got {tuple(positions.shape)}")
+    if q.is_cuda and _kernels().mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start):
+        return _kernels().mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start)
+    return ref.mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start)
+
+
 @triton_op("sparse_fx::hash_select", mutates_args=())
 def hash_select(q_logits: torch.Tensor, k_sig: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int,
                 mask: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -350,6 +350,12 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     return torch.cat([window, chosen], dim=-1).to(torch.int32)
 
 
+def mass_select(q: torch.Tensor, k: torch.Tensor, scale: float | None, mask: torch.Tensor | None, positions: torch.Tensor,
+                pos: torch.Tensor, budget: int, sink: int, local: int, start: torch.Tensor | None = None) -> torch.Tensor:
+    """A Prism refined layer's selection: select_topk of the pool `positions` by mass_scores."""
+    return select_topk(mass_scores(q, k, scale, mask, positions), pos, budget, sink, local, mask, positions, start)
+
+
 def select_nested(scores: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int, sink: int, local: int,
                   mask: torch.Tensor | None = None, start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prism's proposal selection: (select_topk of the best k, and select_topk of the best k_inner

@@ -19,7 +19,7 @@ from sparse_fx.lowering import reference as ref
 
 NVIDIA_TOOLS = (pathlib.Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists()
 needs_tools = pytest.mark.skipif(not NVIDIA_TOOLS, reason="triton without the NVIDIA backend tools")
-WRITABLE = {"out_ptr", "keys_ptr", "cum_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr", "scale_ptr", "zero_ptr"}
+WRITABLE = {"out_ptr", "inner_ptr", "keys_ptr", "cum_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr", "scale_ptr", "zero_ptr"}
 
 
 def _compile_check(*flags: str) -> str:
@@ -110,6 +110,7 @@ def _opcheck_cases():
         (OPS.mass_scores.default, (q, k, 0.3, mask, idx.long())),
         (OPS.select_topk.default, (torch.randn(1, 2, 20, generator=g), pos, 4, 2, 3, mask, None, torch.tensor([1]))),
         (OPS.hash_select.default, (torch.randn(1, 4, 32, generator=g), sig, pos, 4, 2, 3, mask, None)),
+        (OPS.mass_select.default, (q, k, 0.3, mask, idx.long(), pos, 2, 1, 1, None)),
         (OPS.select_nested.default, (torch.randn(1, 2, 20, generator=g), pos, 6, 3, 2, 3, mask, torch.tensor([1]))),
         (OPS.hash_select_nested.default, (torch.randn(1, 4, 32, generator=g), sig, pos, 6, 3, 2, 3, mask, None)),
     ]

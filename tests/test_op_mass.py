@@ -75,3 +75,48 @@ def test_mass_scores_sum_per_head_softmax_over_readable_candidates():
     sub = torch.ops.sparse_fx.mass_scores(q, k, 0.25, mask, pool)
     assert sub[0, 0, 2] == 0 and sub[0, 0, 3] == 0  # empty slot, masked position
     torch.testing.assert_close(sub.sum(-1), torch.tensor([[2.0, 2.0]]))
+
+
+# ------------------------------------------------------------------------------ mass_select
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("budget", [20, 200])  # ties at the edge of a budget; a budget over the whole pool
+def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget):
+    """A refined layer's fused selection equals select_topk over mass_scores' output, kernels and
+    reference alike: its key pass computes each candidate's mass exactly as mass_scores would."""
+    g = gen(60 + len(mask_kind) + budget)
+    B, Hkv, G, L, D = 2, 2, 4, 300, 32
+    q = randn(B, Hkv * G, 1, D, g=g) * 2
+    k = randn(B, Hkv, L, D, g=g)
+    mask = make_mask(mask_kind, B, Hkv * G, L, g, now=280)
+    positions = torch.stack([torch.stack([torch.randperm(280, generator=g)[:150] for _ in range(Hkv)]) for _ in range(B)])
+    positions[:, :, ::7] = -1
+    positions = positions.to(DEV)
+    pos, start = torch.tensor([279, 280], device=DEV), torch.tensor([0, 3], dtype=torch.int32, device=DEV)
+    with poisoned():
+        got = K.mass_select(q, k, 0.3, mask, positions, pos, budget, 4, 8, start, block=64, waves=64).cpu()
+    mass = K.mass_scores(q, k, 0.3, mask, positions)
+    assert torch.equal(got, K.select_topk(mass, pos, budget, 4, 8, mask, positions, start).cpu())
+    cpu = [None if t is None else t.cpu() for t in (q, k, mask, positions, pos, start)]
+    want = ref.mass_select(cpu[0], cpu[1], 0.3, cpu[2], cpu[3], cpu[4], budget, 4, 8, cpu[5])
+    assert torch.equal(want, ref.select_topk(ref.mass_scores(cpu[0], cpu[1], 0.3, cpu[2], cpu[3]), cpu[4], budget, 4, 8,
+                                             cpu[2], cpu[3], cpu[5]))
+    # the reference's mass differs from the kernels' by float rounding: the same choice but at knife edges
+    assert (got != want).float().mean() < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mass_select_real_shapes():
+    """A refined layer at 128K: a pool of 16384, budget 4096, bf16 (Llama-3.1-8B's heads)."""
+    g = gen(61)
+    B, Hkv, G, L, D, P = 2, 8, 4, 131072, 128, 16384
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
+    k = randn(B, Hkv, L, D, g=g, dtype=torch.bfloat16)
+    positions = torch.stack([torch.stack([torch.randperm(L - 200, generator=g)[:P] for _ in range(Hkv)]) for _ in range(B)])
+    positions = positions.sort(-1).values.to(torch.int32).to(DEV)
+    pos = torch.tensor([L - 5], device=DEV)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device=DEV)
+    got = K.mass_select(q, k, None, mask, positions, pos, 4096, 128, 128)
+    want = K.select_topk(K.mass_scores(q, k, None, mask, positions), pos, 4096, 128, 128, mask, positions)
+    # the same mass but for the order of a G-term sum: a key on a bf16 rounding edge may differ
+    assert (got != want).float().mean().item() < 1e-3

@@ -297,3 +297,4 @@ def test_select_nested_real_shapes(kind):
     out, inner = K.select_topk(scores, pos, 16384, 128, 128, mask, k_inner=4096)
     want, want_in = ref.select_nested(scores.cpu(), pos.cpu(), 16384, 4096, 128, 128, mask.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(inner.cpu(), want_in)
+

@@ -148,7 +148,7 @@ def test_prism_pool_is_a_graph_edge_from_proposal_to_refined():
         f(torch.randn(1, 1, 64), torch.tensor([PREFILL]))
     g = graphs[-1].graph
     int2 = [n for n in g.nodes if n.target == OPS.int2_scores.default]
-    mass = [n for n in g.nodes if n.target == OPS.mass_scores.default]
+    mass = [n for n in g.nodes if n.target == OPS.mass_select.default]
     assert len(int2) == 2 and len(mass) == 2  # layers 0, 2 propose; 1, 3 refine
     for refined, proposal in zip(mass, int2):
         pool = refined.args[4]  # positions: the proposal layer's pool slice of its nested selection's first list

@@ -13,7 +13,7 @@ from . import access_memo
 from .gather_attention import sparse_decode_attention, sparse_decode_attention_supported
 from .int2 import int2_scores, int2_scores_supported, int2_write, int2_write_supported
 from .mass import mass_scores, mass_scores_supported
-from .select import hash_select, hash_select_supported, select_topk, select_topk_supported
+from .select import hash_select, hash_select_supported, mass_select, mass_select_supported, select_topk, select_topk_supported
 from .signatures import (
     hamming_scores,
     hamming_scores_supported,
@@ -36,6 +36,8 @@ __all__ = [
     "int2_write_supported",
     "mass_scores",
     "mass_scores_supported",
+    "mass_select",
+    "mass_select_supported",
     "pack_signs",
     "pack_signs_supported",
     "select_topk",

@@ -118,14 +118,18 @@ def _scenarios():
     yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, sc, sc)
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
+    yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)
     yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
     yield "select_topk int16 pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.int16), pos, 1024, 128, 128,
                                                         mask_b, pool)
     yield "select_topk float", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 256, 128, 128, mask_f,
                                                    None, torch.zeros(B, dtype=torch.int32))
+    yield "select_nested float", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 1024, 128, 128,
+                                                     mask_b, None, None, k_inner=256)
     qlog = torch.zeros(B, Hkv * G, 32, dtype=bf)
     sig = torch.zeros(B, Hkv, L, 1, dtype=torch.int32)
     yield "hash_select", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1])
+    yield "hash_select nested", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1], k_inner=1024)
     yield "hash_select wide g8 w2", lambda: K.hash_select(torch.zeros(B, 16, 64, dtype=bf), torch.zeros(B, 2, L, 2, dtype=torch.int32),
                                                         pos, 512, 128, 128, mask_f, torch.zeros(B, dtype=torch.int32))
     yield "select_topk pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,

@@ -111,6 +111,30 @@ def _mass_logits_kernel(
 
 
 @triton.jit
+def row_stats(pm_ptr, pl_ptr, r, NSPLIT, G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Row r's softmax max and 1 / sumexp per query head, merged over its splits' (max, sumexp)."""
+    s = tl.arange(0, S_PAD)
+    g = tl.arange(0, G_PAD)
+    part = (r * NSPLIT + s)[:, None] * G_PAD + g[None, :]
+    live = (s < NSPLIT)[:, None] & (g < G)[None, :]
+    ms = tl.load(pm_ptr + part, mask=live, other=float("-inf"))
+    ls = tl.load(pl_ptr + part, mask=live, other=0.0)
+    top = tl.max(ms, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a head with nothing readable: all weights 0
+    total = tl.sum(ls * tl.exp(ms - top[None, :]), axis=0)
+    return top, 1.0 / tl.maximum(total, 1e-30)
+
+
+@triton.jit
+def group_mass(scr_row, offs, ok, N, top, inv, G: tl.constexpr, G_PAD: tl.constexpr):
+    """Sum over the group's query heads of softmax weights at candidates offs, from the logits scratch
+    row [G, N] and row_stats."""
+    g = tl.arange(0, G_PAD)
+    lg = tl.load(scr_row + g[:, None] * N + offs[None, :], mask=(g < G)[:, None] & ok[None, :], other=float("-inf"))
+    return tl.sum(tl.exp(lg - top[:, None]) * inv[:, None], axis=0)
+
+
+@triton.jit
 def _mass_normalise_kernel(
     scr_ptr, pm_ptr, pl_ptr, out_ptr,
     Hkv, N, SPLIT_LEN, NSPLIT,
@@ -122,26 +146,14 @@ def _mass_normalise_kernel(
     sp = tl.program_id(0)
     r = tl.program_id(1)
     b, h = row_of(r, Hkv)
-    s = tl.arange(0, S_PAD)
-    g = tl.arange(0, G_PAD)
-    gm = g < G
-    part = (r * NSPLIT + s)[:, None] * G_PAD + g[None, :]
-    live = (s < NSPLIT)[:, None] & gm[None, :]
-    ms = tl.load(pm_ptr + part, mask=live, other=float("-inf"))
-    ls = tl.load(pl_ptr + part, mask=live, other=0.0)
-    top = tl.max(ms, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a head with nothing readable: all weights 0
-    total = tl.sum(ls * tl.exp(ms - top[None, :]), axis=0)
-    inv = 1.0 / tl.maximum(total, 1e-30)
+    top, inv = row_stats(pm_ptr, pl_ptr, r, NSPLIT, G, G_PAD, S_PAD)
     scr_row = scr_ptr + r.to(tl.int64) * G * N
     start = sp * SPLIT_LEN
     hi = tl.minimum(start + SPLIT_LEN, N)
     while start < hi:
         offs = start + tl.arange(0, BLOCK_N)
         inb = offs < hi
-        lg = tl.load(scr_row + g[:, None] * N + offs[None, :], mask=gm[:, None] & inb[None, :], other=float("-inf"))
-        w = tl.exp(lg - top[:, None]) * inv[:, None]
-        tl.store(out_ptr + b * sob + h * soh + offs * son, tl.sum(w, axis=0), mask=inb)
+        tl.store(out_ptr + b * sob + h * soh + offs * son, group_mass(scr_row, offs, inb, N, top, inv, G, G_PAD), mask=inb)
         start += BLOCK_N
 
 
@@ -167,47 +179,57 @@ def mass_scores_supported(q, k, scale=None, mask=None, positions=None) -> bool:
     )
 
 
+class Logits:
+    """The first stage of mass_scores: each candidate's logits per query head in a float32 scratch
+    [R, G, N] and, per split of the row, every head's running (max, sumexp) in pm / pl."""
+
+    def __init__(self, q, k, scale=None, mask=None, positions=None):
+        B, Hq, _, D = q.shape
+        Hkv, L = k.shape[1], k.shape[2]
+        self.G = G = Hq // Hkv
+        self.R = R = B * Hkv
+        self.N = N = L if positions is None else positions.shape[-1]
+        self.G_PAD = G_PAD = max(16, pow2(G))
+        sm_scale = D**-0.5 if scale is None else float(scale)
+        BLOCK_N = 64 if D <= 128 else 32
+        blocks = triton.cdiv(N, BLOCK_N)
+        splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(4 * num_sms(q.device), R)))
+        self.split_len = split_len = triton.cdiv(blocks, splits) * BLOCK_N
+        self.splits = splits = triton.cdiv(N, split_len)
+        self.scratch = torch.empty(R * G * N, dtype=torch.float32, device=q.device)
+        self.pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
+        self.pl = torch.empty_like(self.pm)
+        ma = MaskView(mask, Hkv, k)
+        pos = positions if positions is not None else self.pm  # unused without positions
+        sp = positions.stride() if positions is not None else (0, 0, 0)
+        torch.library.wrap_triton(_mass_logits_kernel)[(splits, R)](
+            q, k, pos, ma.tensor, self.scratch, self.pm, self.pl,
+            sm_scale, ma.min_half, Hkv, N, L, split_len, splits,
+            q.stride(0), q.stride(1), q.stride(3),
+            *k.stride(), *sp,
+            ma.sb, ma.sh, ma.sl,
+            G=G, G_PAD=G_PAD, D=D, BLOCK_N=BLOCK_N,
+            HAS_POS=positions is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=upcast_dot(q.dtype),
+            USE_FOR=not interpreting(),
+            num_warps=4,
+        )
+
+
 def mass_scores(q, k, scale=None, mask=None, positions=None) -> torch.Tensor:
     """Sum over each KV head's query heads of the softmax weight of every candidate: [B,Hkv,N] fp32."""
-    B, Hq, _, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    R = B * Hkv
-    N = L if positions is None else positions.shape[-1]
+    B, Hkv = q.shape[0], k.shape[1]
+    N = k.shape[2] if positions is None else positions.shape[-1]
     out = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
-    if R * N == 0:
+    if B * Hkv * N == 0:
         return out
-    sm_scale = D**-0.5 if scale is None else float(scale)
-    BLOCK_N = 64 if D <= 128 else 32
-    G_PAD = max(16, pow2(G))
-    blocks = triton.cdiv(N, BLOCK_N)
-    splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(4 * num_sms(q.device), R)))
-    split_len = triton.cdiv(blocks, splits) * BLOCK_N
-    splits = triton.cdiv(N, split_len)
-    scratch = torch.empty(R * G * N, dtype=torch.float32, device=q.device)
-    pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    ma = MaskView(mask, Hkv, k)
-    pos = positions if positions is not None else out  # unused without positions
-    sp = positions.stride() if positions is not None else (0, 0, 0)
-    torch.library.wrap_triton(_mass_logits_kernel)[(splits, R)](
-        q, k, pos, ma.tensor, scratch, pm, pl,
-        sm_scale, ma.min_half, Hkv, N, L, split_len, splits,
-        q.stride(0), q.stride(1), q.stride(3),
-        *k.stride(), *sp,
-        ma.sb, ma.sh, ma.sl,
-        G=G, G_PAD=G_PAD, D=D, BLOCK_N=BLOCK_N,
-        HAS_POS=positions is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=upcast_dot(q.dtype),
-        USE_FOR=not interpreting(),
-        num_warps=4,
-    )
-    torch.library.wrap_triton(_mass_normalise_kernel)[(splits, R)](
-        scratch, pm, pl, out,
-        Hkv, N, split_len, splits,
+    lg = Logits(q, k, scale, mask, positions)
+    torch.library.wrap_triton(_mass_normalise_kernel)[(lg.splits, lg.R)](
+        lg.scratch, lg.pm, lg.pl, out,
+        Hkv, N, lg.split_len, lg.splits,
         *out.stride(),
-        G=G, G_PAD=G_PAD, S_PAD=pow2(splits), BLOCK_N=256,
+        G=lg.G, G_PAD=lg.G_PAD, S_PAD=pow2(lg.splits), BLOCK_N=256,
         num_warps=4,
     )
     return out

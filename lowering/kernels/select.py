@@ -32,12 +32,14 @@ import triton
 import triton.language as tl
 
 from ..reference import WORD_BITS
+from .mass import Logits, group_mass, mass_scores_supported, row_stats
 from .common import (
     FLOAT_DTYPES, PACKED_RUN, STREAM_WAVES, MaskView, count, counts_total, counts_zero, eligible, interpreting,
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
+WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
 WIN_BLOCK = tl.constexpr(256)
 # Launch defaults from bench/kernel_tuning.py on an H200 (bench/NOTES.md, Kernels): the float path
 # reads 4-byte scores, so few wide levels win; the Hamming path is instruction-bound on its
@@ -85,20 +87,19 @@ def descend(cum_ptr, deep_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.con
     t_before = tl.zeros([], tl.int32)
     for lvl in tl.static_range(DONE):
         if lvl == 0:
-            tile = tl.load(cum_ptr + (r * PROGS + pp)[:, None] * NB + i[None, :], mask=(pp < PROGS)[:, None], other=0)
+            counts = cum_ptr + r * PROGS * NB
         else:
-            tile = tl.load(deep_ptr + ((lvl * R + r) * PROGS + pp)[:, None] * NB + i[None, :],
-                           mask=(pp < PROGS)[:, None], other=0)
-        rowcum = tl.sum(tile, axis=0)
+            counts = deep_ptr + (lvl * R + r) * PROGS * NB
+        rowcum = tl.sum(tl.load(counts + pp[:, None] * NB + i[None, :], mask=(pp < PROGS)[:, None], other=0), axis=0)
         if lvl == 0:
             need = tl.minimum(tl.sum(tl.where(i == 0, rowcum, 0), axis=0), K)
         t, up = threshold(rowcum, need - above, NB)
-        col_up = tl.sum(tl.where(i[None, :] == t + 1, tile, 0), axis=1)
-        a_before += tl.sum(tl.where(earlier, col_up, 0), axis=0)
+        # the earlier chunks' counts at bins t + 1 and t: two column loads, not selects over the tile
+        up_before = tl.sum(tl.load(counts + pp * NB + t + 1, mask=earlier & (t + 1 < NB), other=0), axis=0)
+        a_before += up_before
         if lvl == DONE - 1:
-            col_t = tl.sum(tl.where(i[None, :] == t, tile, 0), axis=1)
             ties = tl.sum(tl.where(i == t, rowcum, 0), axis=0) - up
-            t_before = tl.sum(tl.where(earlier, col_t - col_up, 0), axis=0)
+            t_before = tl.sum(tl.load(counts + pp * NB + t, mask=earlier, other=0), axis=0) - up_before
         above += up
         prefix = prefix * NB + t
     return prefix, need, above, a_before, ties, t_before
@@ -108,9 +109,9 @@ def descend(cum_ptr, deep_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.con
 @triton.jit
 def _score_keys_block(
     scores_row, pos_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, N, L, min_half,
-    ssn, spn, smh, sml, c0, c1, c2, c3,
+    ssn, spn, smh, sml, c0, c1, c2, c3, top, inv,
     HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
-    KIND: tl.constexpr, LB: tl.constexpr,
+    KIND: tl.constexpr, LB: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
 ):
     live = (offs >= lo_c) & (offs < hi_c)
     if HAS_POS:
@@ -121,8 +122,11 @@ def _score_keys_block(
     # Loads and the store cover the row's whole blocks (offs < N: in bounds, and a mask Triton can
     # vectorise), values outside [lo_c, hi_c) are masked: a block belongs to one program only.
     row = offs < N
-    if KIND == 0:
-        s = tl.load(scores_row + offs * ssn, mask=row, other=0.0).to(tl.float32)
+    if KIND == 0 or KIND == 4:
+        if KIND == 0:
+            s = tl.load(scores_row + offs * ssn, mask=row, other=0.0).to(tl.float32)
+        else:  # mass_scores' values, from its logits and row statistics (what its normalise kernel writes)
+            s = group_mass(scores_row, offs, row, N, top, inv, G, G_PAD)
         elig = elig & (s == s) & (s > float("-inf"))
         key = float_key16(s)
     elif KIND == 1:
@@ -138,8 +142,8 @@ def _score_keys_block(
 
 @triton.jit
 def _score_keys_kernel(
-    scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr,
-    Hkv, N, L, sink, local, min_half, PROGS,
+    scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr, pm_ptr, pl_ptr,
+    Hkv, N, L, sink, local, min_half, PROGS, NSPLIT,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
     BLOCK: tl.constexpr,
     LB: tl.constexpr,  # bits per radix level: 2^LB histogram bins (16-bit keys: 16 / LB levels)
@@ -147,7 +151,9 @@ def _score_keys_kernel(
     HAS_START: tl.constexpr,  # per-batch first real position (left padding): the sink starts there
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     MASK_HEADS: tl.constexpr,  # mask heads per KV head (G for a per-head mask, else 1)
-    KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8, 3 int16 (wide Hamming sums)
+    KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8, 3 int16 (wide Hamming sums),
+                         # 4 mass_scores from its logits scratch [R, G, N] and split statistics pm / pl (NSPLIT a row)
+    G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,  # KIND 4: query heads per row, splits padded
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
     p, r = tl.program_id(0), tl.program_id(1)
@@ -160,17 +166,22 @@ def _score_keys_kernel(
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
     base = tl.arange(0, BLOCK)
+    if KIND == 4:
+        top, inv = row_stats(pm_ptr, pl_ptr, r, NSPLIT, G, G_PAD, S_PAD)
+    else:
+        top = tl.zeros([G_PAD], tl.float32)
+        inv = top
     c0, c1, c2, c3 = counts_zero(BLOCK, 1 << LB)
     if USE_FOR:
         for i in tl.range(blk, end):
             c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first,
-                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
-                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
+                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3, top, inv,
+                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB, G, G_PAD)
     else:
         while blk < end:
             c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first,
-                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3,
-                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB)
+                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3, top, inv,
+                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB, G, G_PAD)
             blk += 1
     acc = counts_total(c0, c1, c2, c3, 1 << LB)
     tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))
@@ -180,14 +191,22 @@ def _score_keys_kernel(
 @triton.jit
 def _hist_block(keys_row, offs, N, prefix, prefix_in, c0, c1, c2, c3, d0, d1, d2, d3,
                 SHIFT: tl.constexpr, LB: tl.constexpr, NESTED: tl.constexpr):
-    """Count one block's digits under the prefix (and, nested, under the inner selection's)."""
+    """Count one block's digits under the prefix (and, nested, under the inner selection's: with
+    256 bins both in one 512-bin histogram in c0, a key under both prefixes counted as the outer's)."""
     NB: tl.constexpr = 1 << LB
     # whole blocks: the key pass wrote 0 ("not a candidate") outside [lo_c, hi_c) in them
     key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
     digit = (key >> SHIFT) & (NB - 1)
-    c0, c1, c2, c3 = count(c0, c1, c2, c3, digit, (key > 0) & ((key >> (SHIFT + LB)) == prefix), NB)
+    m_out = (key > 0) & ((key >> (SHIFT + LB)) == prefix)
     if NESTED:
-        d0, d1, d2, d3 = count(d0, d1, d2, d3, digit, (key > 0) & ((key >> (SHIFT + LB)) == prefix_in), NB)
+        m_in = (key > 0) & ((key >> (SHIFT + LB)) == prefix_in)
+        if NB == 16:
+            c0, c1, c2, c3 = count(c0, c1, c2, c3, digit, m_out, NB)
+            d0, d1, d2, d3 = count(d0, d1, d2, d3, digit, m_in, NB)
+        else:
+            c0 += tl.histogram(tl.where(m_out, digit, NB + digit), 2 * NB, mask=m_out | m_in)
+    else:
+        c0, c1, c2, c3 = count(c0, c1, c2, c3, digit, m_out, NB)
     return c0, c1, c2, c3, d0, d1, d2, d3
 
 
@@ -215,8 +234,12 @@ def _hist_kernel(
     keys_row = keys_ptr + r.to(tl.int64) * N
     base = tl.arange(0, BLOCK)
     SHIFT: tl.constexpr = KEY_BITS - (LEVEL + 1) * LB
-    c0, c1, c2, c3 = counts_zero(BLOCK, NB)
-    d0, d1, d2, d3 = counts_zero(BLOCK, NB)
+    if NESTED and NB != 16:
+        c0 = tl.zeros([2 * NB], tl.int32)
+        c1, c2, c3, d0, d1, d2, d3 = c0, c0, c0, c0, c0, c0, c0
+    else:
+        c0, c1, c2, c3 = counts_zero(BLOCK, NB)
+        d0, d1, d2, d3 = counts_zero(BLOCK, NB)
     if USE_FOR:
         for j in tl.range(blk, end):
             c0, c1, c2, c3, d0, d1, d2, d3 = _hist_block(keys_row, j * BLOCK + base, N, prefix, prefix_in,
@@ -226,10 +249,18 @@ def _hist_kernel(
             c0, c1, c2, c3, d0, d1, d2, d3 = _hist_block(keys_row, blk * BLOCK + base, N, prefix, prefix_in,
                                                          c0, c1, c2, c3, d0, d1, d2, d3, SHIFT, LB, NESTED)
             blk += 1
+    if NESTED and NB != 16:
+        halves = tl.reshape(c0, [2, NB])
+        which = tl.arange(0, 2)[:, None]
+        outer = tl.sum(tl.where(which == 0, halves, 0), axis=0)
+        inner = tl.where(prefix_in == prefix, outer, tl.sum(tl.where(which == 1, halves, 0), axis=0))
+    else:
+        outer = counts_total(c0, c1, c2, c3, NB)
+        inner = counts_total(d0, d1, d2, d3, NB)
     at = ((LEVEL * R + r) * PROGS + p) * NB + tl.arange(0, NB)
-    tl.store(cum_ptr + at, tl.cumsum(counts_total(c0, c1, c2, c3, NB), 0, reverse=True))
+    tl.store(cum_ptr + at, tl.cumsum(outer, 0, reverse=True))
     if NESTED:
-        tl.store(cum_in + at, tl.cumsum(counts_total(d0, d1, d2, d3, NB), 0, reverse=True))
+        tl.store(cum_in + at, tl.cumsum(inner, 0, reverse=True))
 
 
 # ------------------------------------------------------------------------------ select pass
@@ -288,14 +319,14 @@ def _pad(out_row, sok, need, K):
 
 @triton.jit
 def _select_kernel(
-    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, in_ptr,
+    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, inner_ptr,
     Hkv, N, L, sink, local, K, K_IN, min_half, PROGS,
     spb, sph, spn, smb, smh, sml, sob, soh, sok, sib, sih, sik,
     BLOCK: tl.constexpr, P_PAD: tl.constexpr,
     LEVELS: tl.constexpr, LB: tl.constexpr,  # KEY_BITS = LEVELS * LB
     HAS_POS: tl.constexpr, HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     MASK_HEADS: tl.constexpr,
-    NESTED: tl.constexpr,  # also write the inner selection (top K_IN) to in_ptr
+    NESTED: tl.constexpr,  # also write the inner selection (top K_IN) to inner_ptr
     USE_FOR: tl.constexpr,
 ):
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -311,7 +342,7 @@ def _select_kernel(
 
     row = out_ptr + b * sob + h * soh
     out_row = row + (sink + local) * sok
-    row_in = in_ptr + b * sib + h * sih
+    row_in = inner_ptr + b * sib + h * sih
     in_row = row_in + (sink + local) * sik
     keys_row = keys_ptr + r.to(tl.int64) * N
     pos_row = pos_ptr + b * spb + h * sph
@@ -380,11 +411,15 @@ def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None
     )
 
 
-def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, level_bits: int) -> int:
-    """Programs per row: enough rows x programs for `waves` per SM, at most one per block, and with
-    16-bin levels (packed counts) enough that no chunk exceeds PACKED_RUN blocks."""
+def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, level_bits: int,
+                  cap: int | None = None) -> int:
+    """Programs per row: enough rows x programs for `waves` per SM, at most one per block and `cap`
+    (every program of a later pass reads all the row's counts: programs x 2^level_bits; default
+    WIDE_PROGS for 256-bin levels), and with 16-bin levels (packed counts) enough that no chunk
+    exceeds PACKED_RUN blocks."""
+    cap = cap or (WIDE_PROGS if level_bits == 8 else MAX_PROGS)
     blocks = triton.cdiv(max(N, 1), block)
-    progs = max(min(MAX_PROGS, programs_per_row(R, blocks, device, waves=waves)),
+    progs = max(min(MAX_PROGS, cap, programs_per_row(R, blocks, device, waves=waves)),
                 triton.cdiv(blocks, PACKED_RUN) if level_bits == 4 else 1)
     if progs > MAX_PROGS:
         raise ValueError(f"select: {N} candidates a row need more than {MAX_PROGS} programs of {block}-key blocks")
@@ -424,12 +459,41 @@ def _counts(levels: int, R: int, progs: int, lb: int, nested: bool, dev) -> torc
 
 
 def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, block=BLOCK, warps=4,
-                waves=WAVES, level_bits=LEVEL_BITS, k_inner=None):
+                waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None):
     """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded.
     With k_inner (reference.select_nested): that list and the one of the best k_inner, both from
-    one pass over the scores. block / warps / waves (programs per SM) are tuning knobs
-    (bench/kernel_tuning.py)."""
+    one pass over the scores. block / warps / waves (programs per SM) / level_bits / cap (programs
+    per row) are tuning knobs (bench/kernel_tuning.py)."""
     B, Hkv, N = scores.shape
+    return _select(scores, scores.stride(), SCORE_KIND[scores.dtype], None, B, Hkv, N, pos, k, sink, local, mask, positions,
+                   start, block, warps, waves, level_bits, cap, k_inner)
+
+
+def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start=None) -> bool:
+    return (
+        positions is not None
+        and mass_scores_supported(q, k, scale, mask, positions)
+        and on_kernel_device(pos, start)
+        and positions.shape[-1] * abs(positions.stride(-1)) < 2**31
+        and _selection_supported(pos, budget, sink, local, mask, start, q.shape[0], positions.shape[-1])
+    )
+
+
+def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, block=BLOCK, warps=4, waves=WAVES,
+                level_bits=LEVEL_BITS, cap=None):
+    """reference.mass_select: select_topk of the pool `positions` by mass_scores, the key pass
+    computing each candidate's mass from the logits stage's scratch (no mass written or read)."""
+    B, Hkv, N = positions.shape
+    if B * Hkv * N == 0:
+        return torch.full((B, Hkv, sink + local + budget), -1, dtype=torch.int32, device=q.device)
+    lg = Logits(q, k, scale, mask, positions)
+    return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
+                   start, block, warps, waves, level_bits, cap, None)
+
+
+def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask, positions, start, block, warps, waves,
+            level_bits, cap, k_inner):
+    """The key pass over scores (or, kind 4, over mass from `logits`: a mass.Logits), then run_select."""
     R = B * Hkv
     dev = scores.device
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
@@ -437,7 +501,7 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=No
     if R == 0:
         return out if k_inner is None else (out, out_in)
     pos = pos[-1:]
-    progs = plan_programs(R, N, dev, block, waves, level_bits)
+    progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16, device=dev)
     cum = _counts(16 // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, scores)
@@ -445,12 +509,16 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=No
     pos_t = positions if has_pos else scores
     sp = positions.stride() if has_pos else (0, 0, 0)
     L = mask.shape[-1] if mask is not None else 1
+    stats = (logits.pm, logits.pl, logits.splits) if logits is not None else (scores, scores, 1)
     torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
-        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum,
-        Hkv, N, L, sink, local, ma.min_half, progs,
-        *scores.stride(), *sp, ma.sb, ma.sh, ma.sl,
+        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum, stats[0], stats[1],
+        Hkv, N, L, sink, local, ma.min_half, progs, stats[2],
+        *strides, *sp, ma.sb, ma.sh, ma.sl,
         BLOCK=block, LB=level_bits, HAS_POS=has_pos, HAS_START=has_start, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool,
-        MASK_HEADS=ma.heads, KIND=SCORE_KIND[scores.dtype], USE_FOR=not interpreting(),
+        MASK_HEADS=ma.heads, KIND=kind,
+        G=logits.G if logits is not None else 1, G_PAD=logits.G_PAD if logits is not None else 1,
+        S_PAD=pow2(logits.splits) if logits is not None else 1,
+        USE_FOR=not interpreting(),
         num_warps=warps,
     )
     run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
@@ -477,7 +545,7 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
 
 
 def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=HASH_BLOCK, warps=4,
-                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS, k_inner=None):
+                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS, cap=None, k_inner=None):
     """reference.hash_select: Hamming keys fused with the first selection pass, then select (with
     k_inner, also the best k_inner as reference.hash_select_nested)."""
     from .signatures import _hash_keys_kernel
@@ -493,7 +561,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
         return out if k_inner is None else (out, out_in)
     key_bits = 16 if G * WORD_BITS * W + 1 > 255 else 8  # similarity + 1
     pos = pos[-1:]
-    progs = plan_programs(R, N, dev, block, waves, level_bits)
+    progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
     cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, k_sig)

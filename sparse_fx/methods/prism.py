@@ -219,8 +219,12 @@ class Prism(Method):
         """Re-score the proposal's pool with this layer's exact keys (static: reuse its choice)."""
         if not self.refine:
             return proposal_idx
+        p = state.plan
+        if p.mass == 1:  # the mass of the pool ranked as it is computed (mass_select), never written out
+            return emit.call(OPS.mass_select.default, site.q, site.k, site.scale, site.mask, pool, site.pos, p.budget,
+                             p.sink, p.local, site.start)
         scores = emit.call(OPS.mass_scores.default, site.q, site.k, site.scale, site.mask, pool)
-        return self.topk(emit, state, site, scores, state.plan.budget, pool, mass=scores)
+        return self.topk(emit, state, site, scores, p.budget, pool, mass=scores)
 
 
 class Static(Prism):
