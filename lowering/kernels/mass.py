@@ -19,6 +19,9 @@ from .common import (
 )
 
 
+MASS_WAVES = 4  # programs per SM the logits stage's split count aims for
+
+
 @triton.jit
 def _mass_tile(
     q, k_row, pos_row, mask_row, mask_ptr_b, h, scr_row, start, N, L, m_i, l_i, sm_scale, min_half,
@@ -193,7 +196,7 @@ class Logits:
         sm_scale = D**-0.5 if scale is None else float(scale)
         BLOCK_N = 64 if D <= 128 else 32
         blocks = triton.cdiv(N, BLOCK_N)
-        splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(4 * num_sms(q.device), R)))
+        splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(MASS_WAVES * num_sms(q.device), R)))
         self.split_len = split_len = triton.cdiv(blocks, splits) * BLOCK_N
         self.splits = splits = triton.cdiv(N, split_len)
         self.scratch = torch.empty(R * G * N, dtype=torch.float32, device=q.device)
