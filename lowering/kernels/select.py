@@ -265,10 +265,11 @@ def _hist_kernel(
 
 # ------------------------------------------------------------------------------ select pass
 @triton.jit
-def _take(key, live, cand, out_row, sok, thr, skip, a_run, t_run):
-    """Write the taken candidates of one block at their ranks; returns the updated running counts."""
-    above = live & (key > thr)
-    tie = live & (key == thr)
+def _take(key, cand, out_row, sok, thr, skip, a_run, t_run):
+    """Write the taken candidates of one block at their ranks; returns the updated running counts.
+    The threshold is a candidate's key (>= 1) or above every key: a key at or above it is one."""
+    above = key > thr
+    tie = key == thr
     packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both counts
     ex = tl.cumsum(packed, 0) - packed
     a_ex = a_run + (ex & 0xFFFF)
@@ -281,20 +282,20 @@ def _take(key, live, cand, out_row, sok, thr, skip, a_run, t_run):
 
 
 @triton.jit
-def _take_block(keys_row, pos_row, offs, lo_c, hi_c, N, spn, out_row, sok, thr, skip, a_run, t_run,
+def _take_block(keys_row, pos_row, offs, N, spn, out_row, sok, thr, skip, a_run, t_run,
                 in_row, sik, thr_in, skip_in, a_in, t_in, HAS_POS: tl.constexpr, NESTED: tl.constexpr):
     """One block of the select pass: its keys read once, taken into the list (and the inner list).
-    (The positions of a pool are read here but feed only stored values, never an address.)"""
-    live = (offs >= lo_c) & (offs < hi_c)
-    key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF  # 0 outside [lo_c, hi_c): key pass
+    The key pass wrote 0 ("not a candidate") outside the chunk's range [lo_c, hi_c) and for the
+    ineligible, so key > 0 is the whole test. (The positions of a pool are read here but feed only
+    stored values, never an address.)"""
+    key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
     if HAS_POS:
-        cand = tl.load(pos_row + offs * spn, mask=live, other=-1)
+        cand = tl.load(pos_row + offs * spn, mask=key > 0, other=-1)
     else:
         cand = offs
-    live = live & (key > 0)
-    a_run, t_run = _take(key, live, cand, out_row, sok, thr, skip, a_run, t_run)
+    a_run, t_run = _take(key, cand, out_row, sok, thr, skip, a_run, t_run)
     if NESTED:
-        a_in, t_in = _take(key, live, cand, in_row, sik, thr_in, skip_in, a_in, t_in)
+        a_in, t_in = _take(key, cand, in_row, sik, thr_in, skip_in, a_in, t_in)
     return a_run, t_run, a_in, t_in
 
 
@@ -349,12 +350,12 @@ def _select_kernel(
     base = tl.arange(0, BLOCK)
     if USE_FOR:
         for jb in tl.range(blk, end):
-            a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, jb * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok,
+            a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, jb * BLOCK + base, N, spn, out_row, sok,
                                                    thr, skip, a_run, t_run, in_row, sik, thr_in, skip_in, a_in, t_in,
                                                    HAS_POS, NESTED)
     else:
         while blk < end:
-            a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, blk * BLOCK + base, lo_c, hi_c, N, spn, out_row, sok,
+            a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, blk * BLOCK + base, N, spn, out_row, sok,
                                                    thr, skip, a_run, t_run, in_row, sik, thr_in, skip_in, a_in, t_in,
                                                    HAS_POS, NESTED)
             blk += 1
