@@ -197,9 +197,12 @@ def _hist_block(keys_row, offs, N, prefix, prefix_in, c0, c1, c2, c3, d0, d1, d2
     # whole blocks: the key pass wrote 0 ("not a candidate") outside [lo_c, hi_c) in them
     key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
     digit = (key >> SHIFT) & (NB - 1)
-    m_out = (key > 0) & ((key >> (SHIFT + LB)) == prefix)
+    # Non-candidates (key 0) fall in bin 0 under the prefix 0 only, which never moves a threshold:
+    # the k-th key is a candidate's (>= 1), so where the prefix is 0 its digit here is >= 1 or a
+    # lower level's digit is, and bins above the threshold's never hold key 0.
+    m_out = (key >> (SHIFT + LB)) == prefix
     if NESTED:
-        m_in = (key > 0) & ((key >> (SHIFT + LB)) == prefix_in)
+        m_in = (key >> (SHIFT + LB)) == prefix_in
         if NB == 16:
             c0, c1, c2, c3 = count(c0, c1, c2, c3, digit, m_out, NB)
             d0, d1, d2, d3 = count(d0, d1, d2, d3, digit, m_in, NB)
