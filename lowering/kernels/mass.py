@@ -9,6 +9,8 @@ scratch (4G bytes per candidate) is cheaper than re-reading K (2D bytes).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -182,42 +184,53 @@ def mass_scores_supported(q, k, scale=None, mask=None, positions=None) -> bool:
     )
 
 
-class Logits:
-    """The first stage of mass_scores: each candidate's logits per query head in a float32 scratch
-    [R, G, N] and, per split of the row, every head's running (max, sumexp) in pm / pl."""
+class Logits(NamedTuple):
+    """What the first stage of mass_scores leaves: each candidate's logits per query head in a
+    float32 scratch [R, G, N] and, per split of a row, every head's running (max, sumexp)."""
 
-    def __init__(self, q, k, scale=None, mask=None, positions=None):
-        B, Hq, _, D = q.shape
-        Hkv, L = k.shape[1], k.shape[2]
-        self.G = G = Hq // Hkv
-        self.R = R = B * Hkv
-        self.N = N = L if positions is None else positions.shape[-1]
-        self.G_PAD = G_PAD = max(16, pow2(G))
-        sm_scale = D**-0.5 if scale is None else float(scale)
-        BLOCK_N = 64 if D <= 128 else 32
-        blocks = triton.cdiv(N, BLOCK_N)
-        splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(MASS_WAVES * num_sms(q.device), R)))
-        self.split_len = split_len = triton.cdiv(blocks, splits) * BLOCK_N
-        self.splits = splits = triton.cdiv(N, split_len)
-        self.scratch = torch.empty(R * G * N, dtype=torch.float32, device=q.device)
-        self.pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
-        self.pl = torch.empty_like(self.pm)
-        ma = MaskView(mask, Hkv, k)
-        pos = positions if positions is not None else self.pm  # unused without positions
-        sp = positions.stride() if positions is not None else (0, 0, 0)
-        torch.library.wrap_triton(_mass_logits_kernel)[(splits, R)](
-            q, k, pos, ma.tensor, self.scratch, self.pm, self.pl,
-            sm_scale, ma.min_half, Hkv, N, L, split_len, splits,
-            q.stride(0), q.stride(1), q.stride(3),
-            *k.stride(), *sp,
-            ma.sb, ma.sh, ma.sl,
-            G=G, G_PAD=G_PAD, D=D, BLOCK_N=BLOCK_N,
-            HAS_POS=positions is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=upcast_dot(q.dtype),
-            USE_FOR=not interpreting(),
-            num_warps=4,
-        )
+    scratch: torch.Tensor
+    pm: torch.Tensor
+    pl: torch.Tensor
+    splits: int
+    split_len: int
+    G: int
+    G_PAD: int
+
+
+def mass_logits(q, k, scale=None, mask=None, positions=None) -> Logits:
+    """The logits stage over every slot, or the candidates `positions` [B,Hkv,N] (R*N > 0)."""
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    R = B * Hkv
+    N = L if positions is None else positions.shape[-1]
+    G_PAD = max(16, pow2(G))
+    sm_scale = D**-0.5 if scale is None else float(scale)
+    BLOCK_N = 64 if D <= 128 else 32
+    blocks = triton.cdiv(N, BLOCK_N)
+    splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(MASS_WAVES * num_sms(q.device), R)))
+    split_len = triton.cdiv(blocks, splits) * BLOCK_N
+    splits = triton.cdiv(N, split_len)
+    scratch = torch.empty(R * G * N, dtype=torch.float32, device=q.device)
+    pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    ma = MaskView(mask, Hkv, k)
+    pos = positions if positions is not None else pm  # unused without positions
+    sp = positions.stride() if positions is not None else (0, 0, 0)
+    torch.library.wrap_triton(_mass_logits_kernel)[(splits, R)](
+        q, k, pos, ma.tensor, scratch, pm, pl,
+        sm_scale, ma.min_half, Hkv, N, L, split_len, splits,
+        q.stride(0), q.stride(1), q.stride(3),
+        *k.stride(), *sp,
+        ma.sb, ma.sh, ma.sl,
+        G=G, G_PAD=G_PAD, D=D, BLOCK_N=BLOCK_N,
+        HAS_POS=positions is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=upcast_dot(q.dtype),
+        USE_FOR=not interpreting(),
+        num_warps=4,
+    )
+    return Logits(scratch, pm, pl, splits, split_len, G, G_PAD)
 
 
 def mass_scores(q, k, scale=None, mask=None, positions=None) -> torch.Tensor:
@@ -227,8 +240,8 @@ def mass_scores(q, k, scale=None, mask=None, positions=None) -> torch.Tensor:
     out = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
     if B * Hkv * N == 0:
         return out
-    lg = Logits(q, k, scale, mask, positions)
-    torch.library.wrap_triton(_mass_normalise_kernel)[(lg.splits, lg.R)](
+    lg = mass_logits(q, k, scale, mask, positions)
+    torch.library.wrap_triton(_mass_normalise_kernel)[(lg.splits, B * Hkv)](
         lg.scratch, lg.pm, lg.pl, out,
         Hkv, N, lg.split_len, lg.splits,
         *out.stride(),

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..reference import WORD_BITS
-from .mass import Logits, group_mass, mass_scores_supported, row_stats
+from .mass import group_mass, mass_logits, mass_scores_supported, row_stats
 from .common import (
     FLOAT_DTYPES, PACKED_RUN, STREAM_WAVES, MaskView, count, counts_total, counts_zero, eligible, interpreting,
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
@@ -490,14 +490,14 @@ def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=No
     B, Hkv, N = positions.shape
     if B * Hkv * N == 0:
         return torch.full((B, Hkv, sink + local + budget), -1, dtype=torch.int32, device=q.device)
-    lg = Logits(q, k, scale, mask, positions)
+    lg = mass_logits(q, k, scale, mask, positions)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
                    start, block, warps, waves, level_bits, cap, None)
 
 
 def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask, positions, start, block, warps, waves,
             level_bits, cap, k_inner):
-    """The key pass over scores (or, kind 4, over mass from `logits`: a mass.Logits), then run_select."""
+    """The key pass over scores (or, kind 4, over mass from `logits`, what mass_logits left), then run_select."""
     R = B * Hkv
     dev = scores.device
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
