@@ -2,7 +2,7 @@
 
 Compares, in one process and on the same KV cache contents: Hugging Face's default generate path
 (eager, DynamicCache), dense decode compiled with a static cache and CUDA graphs (HF's repeat_kv +
-masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash` and `prism-g4`.
+masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash`, `prism-g4` and `prism-g4-hash`.
 Decode speed does not depend on weight or cache values, so caches are filled with random keys and
 values instead of running a 128K prefill per method. Beside each step: the bytes it must read
 (weights, then K/V or side caches and selected rows) and the speed-up that bound allows.
@@ -31,7 +31,8 @@ import sparse_fx
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 from decode_layers import step_floor_bytes  # bench/decode_layers.py
 
-METHODS = ("hf-default", "dense", "dense-gqa", "hash", "prism-g4")
+SPARSE = ("hash", "prism-g4", "prism-g4-hash")  # sparse_fx plans this bench compiles
+METHODS = ("hf-default", "dense", "dense-gqa", *SPARSE)
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072 + 4096,
@@ -129,7 +130,7 @@ def step_bytes(model, method: str, batch: int, n: int, args) -> float:
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     R, D, layers = batch * c.num_key_value_heads, c.hidden_size // c.num_attention_heads, c.num_hidden_layers
-    if method in ("hash", "prism-g4"):  # prism-g4's pool: 4 x budget
+    if method in SPARSE:  # a Prism pool: 4 x budget
         per_layer = step_floor_bytes(method, R, n, args.budget + args.sink + args.local, 4 * args.budget, D)
     else:
         per_layer = R * n * D * 2 * 2
@@ -141,7 +142,7 @@ def ttft_rows(model, original_forward, contexts: list[int], batches: list[int], 
     rows = []
     for n in contexts:
         for batch in batches:
-            for method in ["dense"] + [m for m in args.methods.split(",") if m in ("hash", "prism-g4")]:
+            for method in ["dense"] + [m for m in args.methods.split(",") if m in SPARSE]:
                 model.forward = original_forward
                 try:
                     if method != "dense":
@@ -327,7 +328,7 @@ def print_table(rows: list[dict]) -> None:
 def plot(rows, path) -> None:
     plt = benchlib.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method in ("hash", "prism-g4"):
+    for method in SPARSE:
         for batch in sorted({r["batch"] for r in rows}):
             pts = sorted((r["context"], r["speedup_vs_best_dense"]) for r in rows
                          if r["method"] == method and r["batch"] == batch and r.get("speedup_vs_best_dense"))
