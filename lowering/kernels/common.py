@@ -161,14 +161,14 @@ def eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, s
 
 
 @triton.jit
-def slots_eligible(offs, lo_c, hi_c, mask_b, h, L, min_half, smh, sml,
+def slots_eligible(offs, lo_c, hi_c, row, mask_b, h, min_half, smh, sml,
                    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr):
     """`eligible` for cache slots `offs` (int32) of a row_chunk range [lo_c, hi_c), which already lies
-    between the sink and the local window: the range and the mask only (the mask read with a bound
-    Triton can vectorise)."""
-    ok = (offs >= lo_c) & (offs < hi_c)
+    between the sink and the local window: the range (one unsigned compare) and the mask only, read
+    under `row` (offs < N, the loads' own bound: the launchers require a mask for every slot)."""
+    ok = (offs - lo_c).to(tl.uint32) < tl.maximum(hi_c - lo_c, 0).to(tl.uint32)
     if HAS_MASK:
-        ok = ok & mask_readable(mask_b, 0, h, offs, offs < L, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
+        ok = ok & mask_readable(mask_b, 0, h, offs, row, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
     return ok
 
 

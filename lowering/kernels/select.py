@@ -113,15 +113,15 @@ def _score_keys_block(
     HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     KIND: tl.constexpr, LB: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
 ):
-    live = (offs >= lo_c) & (offs < hi_c)
-    if HAS_POS:
-        cand = tl.load(pos_row + offs * spn, mask=live, other=-1).to(tl.int32)
-        elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
-    else:
-        elig = slots_eligible(offs, lo_c, hi_c, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     # Loads and the store cover the row's whole blocks (offs < N: in bounds, and a mask Triton can
     # vectorise), values outside [lo_c, hi_c) are masked: a block belongs to one program only.
     row = offs < N
+    if HAS_POS:
+        live = (offs >= lo_c) & (offs < hi_c)
+        cand = tl.load(pos_row + offs * spn, mask=live, other=-1).to(tl.int32)
+        elig = eligible(cand, live, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
+    else:
+        elig = slots_eligible(offs, lo_c, hi_c, row, mask_b, h, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     if KIND == 0 or KIND == 4:
         if KIND == 0:
             s = tl.load(scores_row + offs * ssn, mask=row, other=0.0).to(tl.float32)

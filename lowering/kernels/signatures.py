@@ -237,8 +237,8 @@ def _hash_keys_block(
 ):
     """Keys of one block of cache slots (int32 offsets: a row holds < 2**31 slots; the row pointers
     carry the int64 part)."""
-    elig = slots_eligible(offs, lo_c, hi_c, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     row = offs < N  # loads and the store cover whole blocks (vectorised); a block is one program's
+    elig = slots_eligible(offs, lo_c, hi_c, row, mask_b, h, min_half, smh, sml, HAS_MASK, MASK_BOOL, MASK_HEADS)
     qi = tl.arange(0, W_PAD * G_PAD)
     dist = tl.zeros(offs.shape, tl.int32)
     for w in tl.static_range(W):
