@@ -34,7 +34,7 @@ import triton.language as tl
 from ..reference import WORD_BITS
 from .mass import group_mass, mass_logits, mass_scores_supported, row_stats
 from .common import (
-    FLOAT_DTYPES, PACKED_RUN, STREAM_WAVES, MaskView, count, counts_total, counts_zero, eligible, interpreting,
+    FLOAT_DTYPES, PACKED_RUN, MaskView, count, counts_total, counts_zero, eligible, interpreting,
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
@@ -513,15 +513,16 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     pos_t = positions if has_pos else scores
     sp = positions.stride() if has_pos else (0, 0, 0)
     L = mask.shape[-1] if mask is not None else 1
-    stats = (logits.pm, logits.pl, logits.splits) if logits is not None else (scores, scores, 1)
+    if logits is None:  # no group statistics: their arguments unused
+        pm, pl, splits, G, G_PAD = scores, scores, 1, 1, 1
+    else:
+        pm, pl, splits, G, G_PAD = logits.pm, logits.pl, logits.splits, logits.G, logits.G_PAD
     torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
-        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum, stats[0], stats[1],
-        Hkv, N, L, sink, local, ma.min_half, progs, stats[2],
+        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum, pm, pl,
+        Hkv, N, L, sink, local, ma.min_half, progs, splits,
         *strides, *sp, ma.sb, ma.sh, ma.sl,
         BLOCK=block, LB=level_bits, HAS_POS=has_pos, HAS_START=has_start, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool,
-        MASK_HEADS=ma.heads, KIND=kind,
-        G=logits.G if logits is not None else 1, G_PAD=logits.G_PAD if logits is not None else 1,
-        S_PAD=pow2(logits.splits) if logits is not None else 1,
+        MASK_HEADS=ma.heads, KIND=kind, G=G, G_PAD=G_PAD, S_PAD=pow2(splits),
         USE_FOR=not interpreting(),
         num_warps=warps,
     )
@@ -569,10 +570,9 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
     cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, k_sig)
-    L = mask.shape[-1] if mask is not None else 1
     torch.library.wrap_triton(_hash_keys_kernel)[(progs, R)](
         q_logits, k_sig, pos, start if start is not None else pos, ma.tensor, keys, cum,
-        Hkv, N, L, sink, local, k if k_inner is None else min(k, k_inner), ma.min_half, progs,
+        Hkv, N, sink, local, k if k_inner is None else min(k, k_inner), ma.min_half, progs,
         *q_logits.stride(), *k_sig.stride(), ma.sb, ma.sh, ma.sl,
         G=G, G_PAD=pow2(G), W=W, W_PAD=pow2(W), KEY_BITS=key_bits, LB=level_bits, BLOCK=block,
         HAS_START=start is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,

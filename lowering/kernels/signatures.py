@@ -229,7 +229,7 @@ def _popcount(x, HW_POPC: tl.constexpr):
 
 @triton.jit
 def _hash_keys_block(
-    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, N, L, min_half, scored,
+    k_row, mask_b, keys_row, h, offs, lo_c, hi_c, N, min_half, scored,
     skl, skw, smh, sml, qflat, c0, c1, c2, c3,
     G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, KEY_BITS: tl.constexpr,
     LB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
@@ -255,7 +255,7 @@ def _hash_keys_block(
 @triton.jit
 def _hash_keys_kernel(
     q_ptr, k_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr,
-    Hkv, N, L, sink, local, K, min_half, PROGS,
+    Hkv, N, sink, local, K, min_half, PROGS,
     sqb, sqh, sqd, skb, skh, skl, skw, smb, smh, sml,
     G: tl.constexpr,  # query heads per KV head: their G query words are scored against each key word in registers
     G_PAD: tl.constexpr,
@@ -293,12 +293,12 @@ def _hash_keys_kernel(
     c0, c1, c2, c3 = counts_zero(BLOCK, 1 << LB)
     if USE_FOR:
         for i in tl.range(blk, end):
-            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, N, L, min_half, scored,
+            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, N, min_half, scored,
                                    skl, skw, smh, sml, qflat, c0, c1, c2, c3,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
     else:
         while blk < end:
-            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, N, L, min_half, scored,
+            c0, c1, c2, c3 = _hash_keys_block(k_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, N, min_half, scored,
                                    skl, skw, smh, sml, qflat, c0, c1, c2, c3,
                                    G, G_PAD, W, W_PAD, KEY_BITS, LB, HAS_MASK, MASK_BOOL, MASK_HEADS, HW_POPC)
             blk += 1
