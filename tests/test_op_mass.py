@@ -120,3 +120,12 @@ def test_mass_select_real_shapes():
     want = K.select_topk(K.mass_scores(q, k, None, mask, positions), pos, 4096, 128, 128, mask, positions)
     # the same mass but for the order of a G-term sum: a key on a bf16 rounding edge may differ
     assert (got != want).float().mean().item() < 1e-3
+
+
+def test_mass_select_of_an_empty_pool_keeps_the_window():
+    """No candidates to score: the window and -1s, as select_topk gives for an empty pool."""
+    q, k = randn(1, 4, 1, 16, g=gen(62)), randn(1, 2, 50, 16, g=gen(63))
+    pos, positions = torch.tensor([40], device=DEV), torch.empty(1, 2, 0, dtype=torch.int64, device=DEV)
+    got = K.mass_select(q, k, None, None, positions, pos, 8, 2, 3).cpu()
+    assert torch.equal(got, ref.select_topk(torch.empty(1, 2, 0), pos.cpu(), 8, 2, 3, None, positions.cpu()))
+    assert got[0, 0, :5].tolist() == [0, 1, 38, 39, 40]

@@ -488,8 +488,10 @@ def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=No
     """reference.mass_select: select_topk of the pool `positions` by mass_scores, the key pass
     computing each candidate's mass from the logits stage's scratch (no mass written or read)."""
     B, Hkv, N = positions.shape
-    if B * Hkv * N == 0:
-        return torch.full((B, Hkv, sink + local + budget), -1, dtype=torch.int32, device=q.device)
+    if B * Hkv * N == 0:  # no logits to take (an empty pool still has its window)
+        empty = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
+        return _select(empty, empty.stride(), SCORE_KIND[empty.dtype], None, B, Hkv, N, pos, budget, sink, local, mask,
+                       positions, start, block, warps, waves, level_bits, cap, None)
     lg = mass_logits(q, k, scale, mask, positions)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
                    start, block, warps, waves, level_bits, cap, None)
