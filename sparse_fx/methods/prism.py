@@ -197,23 +197,22 @@ class Prism(Method):
         p = state.plan
         side = site.side
         window = (slice(None), slice(None), slice(p.window, None))
-        if p.proposal == "hash":  # a budget by Hamming similarity: the best of the pool are the best of all
-            q_logits = query_logits(emit, state, site)
-            both = emit.call(OPS.hash_select_nested.default, q_logits, side["signatures"], site.pos, p.pool, p.budget,
-                             p.sink, p.local, site.mask, site.start)
-            ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
-            return emit.call(operator.getitem, ranked, window), idx
-        scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
-        if p.mass == 1:  # the pool and the layer's own budget from one selection over the scores
+        # The pool and the layer's own budget from one selection (the best of the pool are the best of
+        # all), unless an INT2 budget is cut by its estimated mass, which needs the pool's scores.
+        if p.proposal == "hash":  # no mass estimate from signatures: the full budget
+            both = emit.call(OPS.hash_select_nested.default, query_logits(emit, state, site), side["signatures"], site.pos,
+                             p.pool, p.budget, p.sink, p.local, site.mask, site.start)
+        else:
+            scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
+            if p.mass < 1:
+                pool = emit.call(operator.getitem, self.topk(emit, state, site, scores, p.pool), window)
+                at_pool = emit.call(_at, scores, pool)
+                mass = emit.call(_int2_mass, at_pool, pool, site.kv.head_dim**-0.5 if site.scale is None else site.scale)
+                return pool, self.topk(emit, state, site, at_pool, p.budget, pool, mass=mass)
             both = emit.call(OPS.select_nested.default, scores, site.pos, p.pool, p.budget, p.sink, p.local, site.mask,
                              site.start)
-            ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
-            return emit.call(operator.getitem, ranked, window), idx
-        ranked = self.topk(emit, state, site, scores, p.pool)
-        pool = emit.call(operator.getitem, ranked, window)
-        at_pool = emit.call(_at, scores, pool)
-        mass = emit.call(_int2_mass, at_pool, pool, site.kv.head_dim**-0.5 if site.scale is None else site.scale)
-        return pool, self.topk(emit, state, site, at_pool, p.budget, pool, mass=mass)
+        ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
+        return emit.call(operator.getitem, ranked, window), idx
 
     def _refine(self, emit, state, site, pool, proposal_idx):
         """Re-score the proposal's pool with this layer's exact keys (static: reuse its choice)."""
