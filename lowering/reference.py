@@ -240,6 +240,8 @@ def mass_scores(
             m = torch.gather(m, 3, idx[:, :, None, :].expand(-1, -1, G, -1))
         logits = logits + m
     logits = logits.masked_fill(~readable[:, :, None, :], float("-inf"))
+    if logits.shape[-1] == 0:  # no candidates (an empty pool): no mass
+        return logits.sum(2)
     peak = logits.amax(-1, keepdim=True)
     w = torch.exp(logits - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
     w = w / w.sum(-1, keepdim=True).clamp(min=1e-30)

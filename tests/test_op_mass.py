@@ -128,4 +128,5 @@ def test_mass_select_of_an_empty_pool_keeps_the_window():
     pos, positions = torch.tensor([40], device=DEV), torch.empty(1, 2, 0, dtype=torch.int64, device=DEV)
     got = K.mass_select(q, k, None, None, positions, pos, 8, 2, 3).cpu()
     assert torch.equal(got, ref.select_topk(torch.empty(1, 2, 0), pos.cpu(), 8, 2, 3, None, positions.cpu()))
+    assert torch.equal(got, ref.mass_select(q.cpu(), k.cpu(), None, None, positions.cpu(), pos.cpu(), 8, 2, 3))
     assert got[0, 0, :5].tolist() == [0, 1, 38, 39, 40]
