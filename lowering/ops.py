@@ -169,7 +169,7 @@ def _check_hash(q_logits, k_sig, pos, k, sink, local, mask, start, what: str) ->
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B,Hkv,sink+local+k] int32 positions: sink, local window, then the top-k candidates in candidate
-    order (-1 empty); ties go to the later candidate. start [B]: each row's first real position."""
+    order (-1 empty); ties at the cut spread evenly over the tied candidates. start [B]: each row's first real position."""
     _check_select(pos, k, sink, local, scores.shape[0], start, "select_topk")
     _check(positions is None or positions.shape == scores.shape, "select_topk: positions must have the shape of scores")
     if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, positions, start):

@@ -302,6 +302,32 @@ def candidates(scores: torch.Tensor, pos: torch.Tensor, sink: int, local: int, m
     return cand, eligible
 
 
+def choose(keys: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [..., N]: the k best eligible entries of each row by integer key (all when fewer).
+
+    Keys above the cut's key t are all taken. Of the T eligible keys equal to t, m are taken,
+    spread evenly over them in row order: the j-th tie (j = 0..T-1) is taken when
+    floor((j+1)·c / 2^32) > floor(j·c / 2^32), c = ceil(m·2^32 / T), which holds for exactly m of
+    them. A rule that prefers no position: the later or the earlier ties would drop a whole region
+    of the cache whenever a budget ends inside a run of equal Hamming scores (bench/NOTES.md,
+    Signatures). Taken entries before row position i: the above ones plus floor(j·c / 2^32), so a
+    kernel places each without a sort. Row order is candidate order, so choosing within a chosen
+    set (`eligible` = that set) is how a pool is refined (select_nested)."""
+    if keys.shape[-1] == 0:
+        return eligible.expand(keys.shape).clone()
+    lowest = torch.iinfo(torch.int64).min
+    masked = torch.where(eligible, keys, lowest)
+    need = eligible.sum(-1, keepdim=True).clamp(max=k)
+    kth = masked.topk(max(min(k, keys.shape[-1]), 1), dim=-1).values
+    t = kth.gather(-1, (need - 1).clamp(min=0))
+    above = eligible & (keys > t)
+    tie = eligible & (keys == t) & (need > 0)
+    m = need - above.sum(-1, keepdim=True)
+    c = ((m << 32) + tie.sum(-1, keepdim=True) - 1).div(tie.sum(-1, keepdim=True).clamp(min=1), rounding_mode="floor")
+    j = tie.long().cumsum(-1) - 1
+    return above | (tie & (((j + 1) * c) >> 32 > (j * c) >> 32))
+
+
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
     """Choose the cache positions one decode query attends to, per KV head.
@@ -315,9 +341,9 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     Returns [B,Hkv, sink + local + k] int32: slots [0,sink) the sink start..start+sink-1, slots
     [sink, sink+local) the local window pos-local+1..pos, then the chosen candidates, then -1.
     Candidates are the readable positions after the sink and before the local window; the k
-    best by `selection_keys` are chosen, equal keys going to the later candidate (the more recent
-    position), and listed in candidate order. A position is never masked, never after pos[-1]
-    and never repeated; -inf and NaN scores are never chosen.
+    best by `selection_keys` are chosen (`choose`: equal keys at the cut spread evenly over the
+    tied candidates) and listed in candidate order. A position is never masked, never after
+    pos[-1] and never repeated; -inf and NaN scores are never chosen.
     """
     B, Hkv, N = scores.shape
     dev = scores.device
@@ -337,15 +363,9 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
         window_ok = window_ok & torch.gather(valid_positions(mask, B, Hkv, L), 2, window.clamp(0, L - 1))
     cand, eligible = candidates(scores, pos, sink, local, mask, positions, start)
     window = torch.where(window_ok, window, -1)
-    # rank by (key, candidate index): unique, so torch.topk has no ties left to break its own way
-    index = torch.arange(N, device=dev)
-    composite = selection_keys(scores) * (N + 1) + index
-    lowest = torch.iinfo(torch.int64).min
-    composite = torch.where(eligible, composite, lowest)
     kk = min(k, N)
-    top, slot = torch.topk(composite, kk, dim=-1)
-    taken = top > lowest
-    slot = torch.where(taken, slot, N).sort(-1).values  # candidate order; not-taken last
+    taken = choose(selection_keys(scores), eligible, k)
+    slot = torch.where(taken, torch.arange(N, device=dev), N).sort(-1).values[..., :kk]  # candidate order; not-taken last
     chosen = torch.where(slot < N, torch.gather(cand, 2, slot.clamp(max=N - 1)), -1)
     if kk < k:
         chosen = torch.cat([chosen, chosen.new_full((B, Hkv, k - kk), -1)], dim=-1)

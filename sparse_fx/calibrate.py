@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import methods
-from .lowering.reference import int2_dequantize, int2_quantize, selection_keys
+from .lowering.reference import choose, int2_dequantize, int2_quantize, selection_keys
 from .plan import Plan
 from .model_info import ModelInfo
 from .runtime.encoders import Encoders, apply_head_mlp
@@ -165,15 +165,15 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
         for a, p in enumerate(sparse):
             q, k = layers[p]
-            ranked = served_ranks(proposal_score(p, q, k), allowed)
-            pool = _top(ranked, base.pool)  # (non-candidates it may hold have no mass)
-            own = pool.gather(-1, _top(ranked.gather(-1, pool), base.budget))  # the proposal's own choice
+            keys = selection_keys(proposal_score(p, q, k))
+            pool = choose(keys, allowed, base.pool)
+            own = choose(keys, pool, base.budget)  # the proposal's own choice: the served selections
             for b in range(a, len(sparse)):
                 if b == a or not handler.refine:
                     chosen = own
                 else:  # a refined layer: its own best within the pool
-                    chosen = pool.gather(-1, _top(mass[b].gather(-1, pool), base.budget))
-                kept[a, b] += float(mass[b].gather(-1, chosen).sum())
+                    chosen = choose(selection_keys(mass[b]), pool, base.budget)
+                kept[a, b] += float(mass[b][chosen].sum())
     share = kept / best.clamp(min=1e-30)
     leads = _best_leads(share, math.ceil(len(sparse) / base.group))
     uniform = [n for n in range(len(sparse)) if n % base.group == 0]
@@ -239,15 +239,6 @@ def _proposal_scorer(model, plan: Plan):
     return lambda layer, q, k: signature_score(q, k, encoders.layer(layer, q.shape[1], k.shape[0], k.shape[2], k.device))
 
 
-def served_ranks(score: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """[steps, Hkv, T] int64 ranks in the served selection's order (reference.select_topk): the score's
-    selection key (floats to 8 significant bits, integers as they are), ties to the later position,
-    non-candidates last."""
-    T = score.shape[-1]
-    ranked = selection_keys(score) * (T + 1) + torch.arange(T, device=score.device)
-    return ranked.masked_fill(~allowed, torch.iinfo(torch.int64).min)
-
-
 def signature_score(q: torch.Tensor, k: torch.Tensor, enc) -> torch.Tensor:
     """[steps, Hkv, T] int64: summed over the group's query heads, agreeing minus differing bits of
     their signatures and the key's (enc: the layer's encoders): 2 x reference.hamming_scores - G x bits."""
@@ -264,11 +255,6 @@ def int2_score(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:
     Hkv = k.shape[0]
     kd = int2_dequantize(*int2_quantize(k, group))
     return torch.einsum("skgd,ktd->skgt", q.view(S, Hkv, Hq // Hkv, D), kd).amax(2)
-
-
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k best entries of each row."""
-    return scores.topk(min(k, scores.shape[-1]), -1).indices
 
 
 def _top_sum(mass: torch.Tensor, k: int) -> torch.Tensor:

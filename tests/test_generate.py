@@ -76,7 +76,7 @@ def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(plan):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_first_tokens_do_not_depend_on_max_new_tokens(plan):
-    """Ties at the top-k cut go to the most recent position, whatever the cache length."""
+    """Ties at the top-k cut are broken by candidate position, whatever the cache length."""
     model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
     ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(3))
     runs = [generate(model, ids, n)[0, 300:] for n in (20, 21, 280)]

@@ -2,8 +2,9 @@
 contract written out independently here, candidate by candidate.
 
 The contract: the window (sink from each row's first real position, then the local window) and
-then the k best eligible candidates by key, equal keys going to the later candidate, listed in
-candidate order, -1 after. Keys: integers as they are, floats rounded toward zero to bfloat16 (the
+then the k best eligible candidates by key, listed in candidate order, -1 after. Where the k-th
+key t has T eligible candidates and m of them fit, the tied candidate j (j = 0..T-1 in candidate
+order) is taken when floor((j+1) m / T) > floor(j m / T): evenly spread over the ties. Keys: integers as they are, floats rounded toward zero to bfloat16 (the
 top 16 bits of their order-preserving image).
 """
 
@@ -55,10 +56,21 @@ def contract(scores, pos, k, sink, local, mask=None, positions=None, start=None)
                 if isinstance(s, float) and (s != s or s == float("-inf")):
                     continue
                 cands.append((_key(s), i, p))
-            best = sorted(cands, reverse=True)[:k]
-            chosen = [p for _, i, p in sorted(best, key=lambda c: c[1])]
+            chosen = [p for _, _, p in _spread_top(cands, k)]
             out[b, h, sink + local : sink + local + len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
+
+
+def _spread_top(cands, k):
+    """The k best of (key, index, position) triples, in index order, ties spread evenly."""
+    if not cands or k <= 0:
+        return []
+    need = min(k, len(cands))
+    t = sorted((c[0] for c in cands), reverse=True)[need - 1]
+    ties = sorted(c for c in cands if c[0] == t)  # same key: index order
+    m = need - sum(c[0] > t for c in cands)
+    taken = {ties[j][1] for j in range(len(ties)) if (j + 1) * m // len(ties) > j * m // len(ties)}
+    return [c for c in sorted(cands, key=lambda c: c[1]) if c[0] > t or c[1] in taken]
 
 
 def _scores(kind, B, Hkv, N, g):
@@ -132,7 +144,7 @@ def test_select_topk_property(kind, mask_kind, pooled, k, sink, local, now, padd
 
 
 def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **knobs):
-    """The nested kernel equals the reference, whose inner list is the top k_inner of all candidates."""
+    """The nested kernel equals the reference, whose inner list is the best k_inner of the pool."""
     with poisoned():
         out, inner = (t.cpu() for t in K.select_topk(scores, pos, k, sink, local, mask, None, start, k_inner=k_inner, **knobs))
     assert (out != SENTINEL).all() and (inner != SENTINEL).all(), "an output slot was never written"
@@ -141,7 +153,9 @@ def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **
     assert torch.equal(out, want), f"outer: kernel != reference at {(out != want).nonzero()[:5].tolist()}"
     assert torch.equal(inner, want_in), f"inner: kernel != reference at {(inner != want_in).nonzero()[:5].tolist()}"
     assert torch.equal(want, contract(scores, pos, k, sink, local, mask, None, start)), "outer reference != contract"
-    assert torch.equal(want_in, contract(scores, pos, k_inner, sink, local, mask, None, start)), "inner reference != contract"
+    pool = want[..., sink + local:]
+    at_pool = cpu[0].gather(2, pool.clamp(min=0).long())
+    assert torch.equal(want_in, contract(at_pool, pos, k_inner, sink, local, mask, pool, start)), "inner reference != contract"
 
 
 @MORE
@@ -150,7 +164,7 @@ def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **
        padded=st.booleans(), level_bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
 def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, padded, level_bits, seed):
     """A Prism proposal's pool and budget in one selection: the pool is select_topk's k, the budget
-    the best k_inner of all candidates (hence of the pool), ties to the later candidate in both."""
+    the best k_inner within the pool (the same keys above the pool's cut; at it, the pool's ties)."""
     g = gen(seed)
     B, Hkv, L = 2, 2, 300
     scores = _scores(kind, B, Hkv, L, g).to(DEV)
@@ -178,7 +192,8 @@ def test_hash_select_nested_equals_its_reference(G, W):
             out, inner = (t.cpu() for t in K.hash_select(q_logits, k_sig, pos, k, 8, 8, mask, start, k_inner=k_inner))
         want, want_in = ref.hash_select_nested(q_logits.cpu(), k_sig.cpu(), pos.cpu(), k, k_inner, 8, 8, mask.cpu(), start.cpu())
         assert torch.equal(out, want) and torch.equal(inner, want_in)
-        assert torch.equal(want_in, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), k_inner, 8, 8, mask.cpu(), start.cpu()))
+        for row_in, row in zip(want_in[..., 16:].flatten(0, 1), want[..., 16:].flatten(0, 1)):  # nested
+            assert set(row_in.tolist()) - {-1} <= set(row.tolist()) and int((row_in >= 0).sum()) == min(k_inner, int((row >= 0).sum()))
 
 
 def test_nested_selection_rejects_an_inner_budget_above_the_pool():
@@ -269,7 +284,9 @@ def test_rows_longer_than_a_packed_count():
     k_sig = torch.full((B, Hkv, L, 1), 12345, dtype=torch.int32, device=DEV)
     out = K.hash_select(q_logits, k_sig, pos, 300, 8, 8, block=8, waves=1, level_bits=4).cpu()
     assert torch.equal(out, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 300, 8, 8))
-    assert torch.equal(out[0, 0, 16:], torch.arange(now - 8 - 299, now - 7, dtype=torch.int32))  # ties: the latest
+    T = now - 8 - 8 + 1  # candidates 8 .. now - 8, all tied: 300 spread evenly over them
+    spread = [8 + j for j in range(T) if (j + 1) * 300 // T > j * 300 // T]
+    assert torch.equal(out[0, 0, 16:], torch.tensor(spread, dtype=torch.int32)) and spread[0] < 16
 
 
 @pytest.mark.gpu

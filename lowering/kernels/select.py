@@ -13,16 +13,18 @@ query (pos[-1]) minus the local window: slots beyond, written or not, are never 
          k-th key, and histograms the low byte of its chunk's keys whose top byte is t1
   select every program derives the k-th key t (the threshold), how many keys are above it (A) and
          equal to it (T), and from the programs before it how many of each came earlier. Keys
-         above t are all taken; of the T ties the last m = k - A in candidate order are taken (the
-         most recent positions). A taken candidate's output slot is the number of taken ones
-         before it, so the chosen list comes out in candidate order, the same on every run.
+         above t are all taken; of the T ties m = k - A are taken, spread evenly over them in
+         candidate order (`reference.choose`: a multiply-high per tie, no sort). A taken
+         candidate's output slot is the number of taken ones before it, so the chosen list comes
+         out in candidate order, the same on every run.
 
 Program 0 of each row also writes the sink / local window and the -1 padding.
 
 Nested (`select_nested`, Prism's proposal: a pool of the best k and the best k_inner within it):
-the inner selection is the top k_inner of the same keys, so the key pass and its level-0 counts
-serve both; the deeper levels count twice (each its own prefix, into a second `cum`), and the
-select pass writes both lists from one read of the keys.
+the inner selection is the best k_inner of the pool by the same keys, so the key pass and its
+level-0 counts serve both; the deeper levels count twice (each its own prefix, into a second
+`cum`), and the select pass writes both lists from one read of the keys. Where both cuts fall on
+the same key, the inner list spreads its ties over the pool's taken ties, not over all of them.
 """
 
 from __future__ import annotations
@@ -268,47 +270,77 @@ def _hist_kernel(
 
 # ------------------------------------------------------------------------------ select pass
 @triton.jit
-def _take(key, cand, out_row, sok, thr, skip, a_run, t_run):
-    """Write the taken candidates of one block at their ranks; returns the updated running counts.
-    The threshold is a candidate's key (>= 1) or above every key: a key at or above it is one."""
-    above = key > thr
-    tie = key == thr
+def _spread_of(thr, m, T):
+    """The tie rule of `reference.choose` for taking m of T ties at key thr (scalars): the
+    threshold the select pass compares with and the multiplier c = ceil(m 2^32 / T) (uint32).
+    When all ties are taken (m >= T, where c would not fit) they count as above: the threshold
+    drops by one and c = 0 takes none of the keys equal to it."""
+    every = m >= T
+    c = ((m.to(tl.int64) << 32) + T - 1) // tl.maximum(T, 1)
+    return tl.where(every, thr - 1, thr), tl.where(every, 0, c).to(tl.uint32)
+
+
+@triton.jit
+def _ties_before(j, c):
+    """Taken ties among the first j (>= 0) ties: floor(j c / 2^32)."""
+    return tl.umulhi(j.to(tl.uint32), c).to(tl.int32)
+
+
+@triton.jit
+def _tie_rank(j, c):
+    """(_ties_before(j), whether tie j is taken): one wide multiply. Tie j is taken when j c and
+    (j + 1) c differ in their top 32 bits, i.e. when the low 32 bits of j c reach 2^32 - c."""
+    prod = j.to(tl.uint32).to(tl.uint64) * c.to(tl.uint64)
+    return (prod >> 32).to(tl.int32), prod.to(tl.uint32) > (0xFFFFFFFF - c.to(tl.int64)).to(tl.uint32)
+
+
+@triton.jit
+def _take(above, tie, cand, out_row, sok, c, a_run, t_run):
+    """Write the taken candidates of one block at their ranks: all `above`, and the ties that the
+    spread rule takes (`_tie_rank`). Returns the
+    updated running counts and which ties were taken."""
     packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both counts
     ex = tl.cumsum(packed, 0) - packed
     a_ex = a_run + (ex & 0xFFFF)
     t_ex = t_run + (ex >> 16)
-    taken = above | (tie & (t_ex >= skip))
-    slot = a_ex + tl.maximum(t_ex - skip, 0)
-    tl.store(out_row + slot.to(tl.int64) * sok, cand.to(tl.int32), mask=taken)
+    ranked, next_taken = _tie_rank(t_ex, c)
+    tie_taken = tie & next_taken
+    tl.store(out_row + (a_ex + ranked).to(tl.int64) * sok, cand.to(tl.int32), mask=above | tie_taken)
     total = tl.sum(packed, 0)
-    return a_run + (total & 0xFFFF), t_run + (total >> 16)
+    return a_run + (total & 0xFFFF), t_run + (total >> 16), tie_taken
 
 
 @triton.jit
-def _take_block(keys_row, pos_row, offs, N, spn, out_row, sok, thr, skip, a_run, t_run,
-                in_row, sik, thr_in, skip_in, a_in, t_in, HAS_POS: tl.constexpr, NESTED: tl.constexpr):
+def _take_block(keys_row, pos_row, offs, N, spn, out_row, sok, thr, c, a_run, t_run,
+                in_row, sik, thr_in, c_in, pooled, a_in, t_in, HAS_POS: tl.constexpr, NESTED: tl.constexpr):
     """One block of the select pass: its keys read once, taken into the list (and the inner list).
     The key pass wrote 0 ("not a candidate") outside the chunk's range [lo_c, hi_c) and for the
     ineligible, so key > 0 is the whole test. (The positions of a pool are read here but feed only
-    stored values, never an address.)"""
+    stored values, never an address.) The threshold is a candidate's key (>= 1) or above every key.
+    The inner list chooses within the list: its ties are the list's taken ties where both cut the
+    same key and the list takes only some of them (`pooled`), else all keys at its own threshold
+    (all of which the list holds)."""
     key = tl.load(keys_row + offs, mask=offs < N, other=0).to(tl.int32) & 0xFFFF
     if HAS_POS:
         cand = tl.load(pos_row + offs * spn, mask=key > 0, other=-1)
     else:
         cand = offs
-    a_run, t_run = _take(key, cand, out_row, sok, thr, skip, a_run, t_run)
+    a_run, t_run, tie_taken = _take(key > thr, key == thr, cand, out_row, sok, c, a_run, t_run)
     if NESTED:
-        a_in, t_in = _take(key, cand, in_row, sik, thr_in, skip_in, a_in, t_in)
+        tie_in = tl.where(pooled, tie_taken, key == thr_in)
+        a_in, t_in, _ = _take(key > thr_in, tie_in, cand, in_row, sik, c_in, a_in, t_in)
     return a_run, t_run, a_in, t_in
 
 
 @triton.jit
 def _threshold_of(cum_ptr, deep_ptr, r, p, R, PROGS, K, LEVELS: tl.constexpr, LB: tl.constexpr, P_PAD: tl.constexpr):
-    """The threshold key, how many to take, the ties passed over, and this chunk's running counts."""
+    """The k-th key, how many to take, the select pass's threshold and tie multiplier
+    (`_spread_of`), this chunk's running counts, and how many keys lie above the k-th and at it."""
     thr, need, above, a_run, ties, t_run = descend(cum_ptr, deep_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
     thr = tl.where(need > 0, thr, 1 << 20)  # nothing to take: no key reaches it
-    skip = ties - (need - above)  # ties passed over before the taken ones (the most recent are taken)
-    return thr, need, skip, a_run, t_run
+    take, c = _spread_of(thr, need - above, ties)
+    a_take = tl.where(take < thr, a_run + t_run, a_run)  # all ties taken: the earlier chunks' count as above
+    return thr, need, take, c, a_take, t_run, above, ties
 
 
 @triton.jit
@@ -338,11 +370,20 @@ def _select_kernel(
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
-    thr, need, skip, a_run, t_run = _threshold_of(cum_ptr, cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
-    thr_in, need_in, skip_in, a_in, t_in = thr, need, skip, a_run, t_run
+    kth, need, thr, c, a_run, t_run, above, ties = _threshold_of(cum_ptr, cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
+    thr_in, c_in, a_in, t_in = thr, c, a_run, t_run
+    pooled = False
     if NESTED:
         cum_in = cum_ptr + LEVELS * R * PROGS * (1 << LB)
-        thr_in, need_in, skip_in, a_in, t_in = _threshold_of(cum_ptr, cum_in, r, p, R, PROGS, K_IN, LEVELS, LB, P_PAD)
+        kth_in, need_in, thr_in, c_in, a_in, t_in, above_in, _ = _threshold_of(cum_ptr, cum_in, r, p, R, PROGS, K_IN,
+                                                                                LEVELS, LB, P_PAD)
+        # same cut key, the list taking only some of its ties and the inner list fewer still: the
+        # inner takes need_in - above of the list's need - above taken ties (else its own rule
+        # gives the same as choosing within the list)
+        pooled = (kth_in == kth) & (need_in < need) & (need - above < ties)
+        if pooled:
+            thr_in, c_in = _spread_of(kth, need_in - above_in, need - above)
+            t_in = _ties_before(t_run, c)
 
     row = out_ptr + b * sob + h * soh
     out_row = row + (sink + local) * sok
@@ -354,12 +395,14 @@ def _select_kernel(
     if USE_FOR:
         for jb in tl.range(blk, end):
             a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, jb * BLOCK + base, N, spn, out_row, sok,
-                                                   thr, skip, a_run, t_run, in_row, sik, thr_in, skip_in, a_in, t_in,
+                                                   thr, c, a_run, t_run, in_row, sik, thr_in, c_in, pooled,
+                                                   a_in, t_in,
                                                    HAS_POS, NESTED)
     else:
         while blk < end:
             a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, blk * BLOCK + base, N, spn, out_row, sok,
-                                                   thr, skip, a_run, t_run, in_row, sik, thr_in, skip_in, a_in, t_in,
+                                                   thr, c, a_run, t_run, in_row, sik, thr_in, c_in, pooled,
+                                                   a_in, t_in,
                                                    HAS_POS, NESTED)
             blk += 1
 
