@@ -14,6 +14,26 @@ from torch.library import triton_op
 from . import reference as ref
 
 
+def _salt_compile_caches() -> None:
+    """torch.compile's caches (AOTAutograd's, Inductor's FX graphs) key on the traced graph, where
+    these ops are opaque calls: after an edit of an op's body, reference or kernels, a cached graph
+    would replay the old code. So the hash of this package's source joins their cache key tag."""
+    import hashlib
+    import pathlib
+
+    from torch.compiler import config
+
+    if not hasattr(config, "cache_key_tag"):
+        return
+    source = b"".join(p.read_bytes() for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
+    tag = f"sparse_fx.lowering-{hashlib.sha256(source).hexdigest()[:16]}"
+    if tag not in config.cache_key_tag:
+        config.cache_key_tag = f"{config.cache_key_tag}+{tag}" if config.cache_key_tag else tag
+
+
+_salt_compile_caches()
+
+
 def _kernels():
     """The Triton launchers, imported on first CUDA use (a CPU-only install may lack triton)."""
     from . import kernels

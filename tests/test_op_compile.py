@@ -14,7 +14,7 @@ import pytest
 import torch
 from opcheck import gen
 
-from sparse_fx.lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
+from sparse_fx.lowering import ops  # registers torch.ops.sparse_fx
 from sparse_fx.lowering import reference as ref
 
 NVIDIA_TOOLS = (pathlib.Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists()
@@ -50,6 +50,16 @@ def test_inductor_sees_each_kernel_write_only_outputs_and_scratch():
     for scenario, kernel, written in rows:
         extra = set(written.split()) - WRITABLE
         assert not extra, f"{scenario} / {kernel} is seen writing its inputs {sorted(extra)}"
+
+
+def test_compile_caches_key_on_the_ops_source():
+    """A compiled graph holds our ops as opaque calls, so the caches' key must change with their code."""
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(ops.__file__).parent
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))).hexdigest()[:16]
+    assert f"sparse_fx.lowering-{digest}" in torch.compiler.config.cache_key_tag
 
 
 def test_exact_ops_under_inductor_equal_the_reference_bit_for_bit():
