@@ -110,6 +110,33 @@ def check(scores, pos, k, sink, local, mask=None, positions=None, start=None, **
     return out
 
 
+@given(levels=st.integers(1, 6), n=st.integers(1, 400), k=st.integers(1, 450), k_in=st.integers(1, 450),
+       seed=st.integers(0, 2**16))
+def test_ties_at_the_cut_spread_evenly_and_nest(levels, n, k, k_in, seed):
+    """reference.choose, by its properties rather than its formula: it takes min(k, eligible), all
+    keys above the cut and none below; the taken ties lie at tie-index gaps of floor or ceil of
+    T / m, so neither end of the cache is preferred; and choosing within a choice is a subset."""
+    g = gen(seed)
+    keys = torch.randint(0, levels, (2, n), generator=g)
+    eligible = torch.rand(2, n, generator=g) < 0.85
+    taken = ref.choose(keys, eligible, k)
+    for row, ok, got in zip(keys, eligible, taken):
+        need = min(k, int(ok.sum()))
+        assert int(got.sum()) == need and not (got & ~ok).any()
+        if need == 0:
+            continue
+        t = int(row[ok].sort(descending=True).values[need - 1])
+        assert got[ok & (row > t)].all() and not got[row < t].any()
+        ties = (ok & (row == t)).nonzero().flatten()
+        picked = got[ties].nonzero().flatten()
+        T, m = len(ties), len(picked)
+        if 1 < m < T:
+            gaps = set(picked.diff().tolist())
+            assert gaps <= {T // m, -(-T // m)}, (T, m, gaps)
+    inner = ref.choose(keys, taken, min(k_in, k))
+    assert not (inner & ~taken).any() and torch.equal(inner.sum(-1), taken.sum(-1).clamp(max=min(k_in, k)))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mask_kind", ["bool", "min", "bool-head"])
 def test_select_topk_equals_the_contract(kind, mask_kind):
