@@ -28,7 +28,7 @@ import torch
 import sparse_fx
 from sparse_fx.calibrate import attention_mass, capture, decode_candidates, int2_score
 from sparse_fx.data import passkey_prompt
-from sparse_fx.lowering.reference import int2_dequantize, int2_quantize
+from sparse_fx.lowering.reference import choose, int2_dequantize, int2_quantize, selection_keys
 from sparse_fx.models import load_model
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
@@ -46,10 +46,8 @@ def centred_int2_score(q: torch.Tensor, k: torch.Tensor, group: int = 32) -> tor
 
 
 def best(scores: torch.Tensor, k: int, allowed: torch.Tensor) -> torch.Tensor:
-    """[..., N] bool: the k best allowed entries of each row."""
-    s = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.zeros_like(s, dtype=torch.bool)
-    return out.scatter_(-1, s.topk(min(k, s.shape[-1]), -1).indices, True) & allowed
+    """[..., N] bool: the k best allowed entries of each row, as the served selection chooses them."""
+    return choose(selection_keys(scores), allowed, k)
 
 
 def needle_span(ids: torch.Tensor, tokenizer, key: int) -> torch.Tensor:

@@ -14,24 +14,33 @@ from torch.library import triton_op
 from . import reference as ref
 
 
-def _salt_compile_caches() -> None:
-    """torch.compile's caches (AOTAutograd's, Inductor's FX graphs) key on the traced graph, where
-    these ops are opaque calls: after an edit of an op's body, reference or kernels, a cached graph
-    would replay the old code. So the hash of this package's source joins their cache key tag."""
+def _source_tag() -> str:
+    """'sparse_fx.lowering-<hash of this package's source>' ('' where the source is not on disk)."""
     import hashlib
     import pathlib
 
+    try:
+        source = b"".join(p.read_bytes() for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
+    except OSError:
+        return ""
+    return f"sparse_fx.lowering-{hashlib.sha256(source).hexdigest()[:16]}" if source else ""
+
+
+SOURCE_TAG = _source_tag()
+
+
+def salt_compile_caches() -> None:
+    """torch.compile's caches (AOTAutograd's, Inductor's FX graphs) key on the traced graph, where
+    these ops are opaque calls: after an edit of an op's body, reference or kernels, a cached graph
+    would replay the old code. So the hash of this package's source joins their cache key tag (at
+    import, and again by our backend before each compile, should the tag have been reset)."""
     from torch.compiler import config
 
-    if not hasattr(config, "cache_key_tag"):
-        return
-    source = b"".join(p.read_bytes() for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
-    tag = f"sparse_fx.lowering-{hashlib.sha256(source).hexdigest()[:16]}"
-    if tag not in config.cache_key_tag:
-        config.cache_key_tag = f"{config.cache_key_tag}+{tag}" if config.cache_key_tag else tag
+    if SOURCE_TAG and hasattr(config, "cache_key_tag") and SOURCE_TAG not in config.cache_key_tag:
+        config.cache_key_tag = f"{config.cache_key_tag}+{SOURCE_TAG}" if config.cache_key_tag else SOURCE_TAG
 
 
-_salt_compile_caches()
+salt_compile_caches()
 
 
 def _kernels():

@@ -312,9 +312,11 @@ def choose(keys: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
     of the cache whenever a budget ends inside a run of equal Hamming scores (bench/NOTES.md,
     Signatures). Taken entries before row position i: the above ones plus floor(j·c / 2^32), so a
     kernel places each without a sort. Row order is candidate order, so choosing within a chosen
-    set (`eligible` = that set) is how a pool is refined (select_nested)."""
+    set (`eligible` = that set) is how a pool is refined (select_nested). The choice for k is not
+    always inside the one for k + 1 (5 ties: k = 2 takes ties 2 and 4, k = 3 takes 1, 3 and 4)."""
+    keys, eligible = keys.long(), eligible.expand(keys.shape)  # (a mask shared by rows: counted per row)
     if keys.shape[-1] == 0:
-        return eligible.expand(keys.shape).clone()
+        return eligible.clone()
     lowest = torch.iinfo(torch.int64).min
     masked = torch.where(eligible, keys, lowest)
     need = eligible.sum(-1, keepdim=True).clamp(max=k)

@@ -21,6 +21,9 @@ def sparse_backend(state: CompiledState):
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
+        from .lowering.ops import salt_compile_caches
+
+        salt_compile_caches()
         on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
         mode = state.mode or ("reduce-overhead" if on_cuda else "default")
         import torch._inductor.config as inductor_config

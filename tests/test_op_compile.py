@@ -60,6 +60,9 @@ def test_compile_caches_key_on_the_ops_source():
     root = pathlib.Path(ops.__file__).parent
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))).hexdigest()[:16]
     assert f"sparse_fx.lowering-{digest}" in torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag="a user's tag"):  # reset after import: the backend salts again
+        ops.salt_compile_caches()
+        assert torch.compiler.config.cache_key_tag == f"a user's tag+sparse_fx.lowering-{digest}"
 
 
 def test_exact_ops_under_inductor_equal_the_reference_bit_for_bit():

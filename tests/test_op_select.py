@@ -76,7 +76,7 @@ def _spread_top(cands, k):
 def _scores(kind, B, Hkv, N, g):
     if kind == "float":
         return torch.randn(B, Hkv, N, generator=g)
-    if kind == "ties":  # a few distinct values: the recency tie-break decides most of the selection
+    if kind == "ties":  # a few distinct values: the tie rule decides most of the selection
         return (torch.randn(B, Hkv, N, generator=g) * 2).round() / 2
     if kind == "near-ties":  # a few ULPs apart: equal after rounding to bfloat16
         return 1.0 + torch.randint(0, 200, (B, Hkv, N), generator=g).float() * 2**-23
@@ -135,6 +135,8 @@ def test_ties_at_the_cut_spread_evenly_and_nest(levels, n, k, k_in, seed):
             assert gaps <= {T // m, -(-T // m)}, (T, m, gaps)
     inner = ref.choose(keys, taken, min(k_in, k))
     assert not (inner & ~taken).any() and torch.equal(inner.sum(-1), taken.sum(-1).clamp(max=min(k_in, k)))
+    shared = eligible[:1]  # one mask for both rows, broadcast (as calibration passes it)
+    assert torch.equal(ref.choose(keys, shared, k), ref.choose(keys, shared.expand_as(keys), k))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -197,8 +197,8 @@ class Prism(Method):
         p = state.plan
         side = site.side
         window = (slice(None), slice(None), slice(p.window, None))
-        # The pool and the layer's own budget from one selection (the best of the pool are the best of
-        # all), unless an INT2 budget is cut by its estimated mass, which needs the pool's scores.
+        # The pool and the layer's own budget (chosen within the pool) from one selection, unless an
+        # INT2 budget is cut by its estimated mass, which needs the pool's scores.
         if p.proposal == "hash":  # no mass estimate from signatures: the full budget
             both = emit.call(OPS.hash_select_nested.default, query_logits(emit, state, site), side["signatures"], site.pos,
                              p.pool, p.budget, p.sink, p.local, site.mask, site.start)
