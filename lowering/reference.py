@@ -324,8 +324,8 @@ def choose(keys: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
     t = kth.gather(-1, (need - 1).clamp(min=0))
     above = eligible & (keys > t)
     tie = eligible & (keys == t) & (need > 0)
-    m = need - above.sum(-1, keepdim=True)
-    c = ((m << 32) + tie.sum(-1, keepdim=True) - 1).div(tie.sum(-1, keepdim=True).clamp(min=1), rounding_mode="floor")
+    m, T = need - above.sum(-1, keepdim=True), tie.sum(-1, keepdim=True)
+    c = ((m << 32) + T - 1).div(T.clamp(min=1), rounding_mode="floor")
     j = tie.long().cumsum(-1) - 1
     return above | (tie & (((j + 1) * c) >> 32 > (j * c) >> 32))
 

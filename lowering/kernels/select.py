@@ -281,14 +281,8 @@ def _spread_of(thr, m, T):
 
 
 @triton.jit
-def _ties_before(j, c):
-    """Taken ties among the first j (>= 0) ties: floor(j c / 2^32)."""
-    return tl.umulhi(j.to(tl.uint32), c).to(tl.int32)
-
-
-@triton.jit
 def _tie_rank(j, c):
-    """(_ties_before(j), whether tie j is taken): one wide multiply. Tie j is taken when j c and
+    """(taken ties among the first j, floor(j c / 2^32); whether tie j is taken): one wide multiply. Tie j is taken when j c and
     (j + 1) c differ in their top 32 bits, i.e. when the low 32 bits of j c reach 2^32 - c."""
     prod = j.to(tl.uint32).to(tl.uint64) * c.to(tl.uint64)
     return (prod >> 32).to(tl.int32), prod.to(tl.uint32) > (0xFFFFFFFF - c.to(tl.int64)).to(tl.uint32)
@@ -297,8 +291,7 @@ def _tie_rank(j, c):
 @triton.jit
 def _take(above, tie, cand, out_row, sok, c, a_run, t_run):
     """Write the taken candidates of one block at their ranks: all `above`, and the ties that the
-    spread rule takes (`_tie_rank`). Returns the
-    updated running counts and which ties were taken."""
+    spread rule takes (`_tie_rank`). Returns the updated running counts and which ties were taken."""
     packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both counts
     ex = tl.cumsum(packed, 0) - packed
     a_ex = a_run + (ex & 0xFFFF)
@@ -383,7 +376,7 @@ def _select_kernel(
         pooled = (kth_in == kth) & (need_in < need) & (need - above < ties)
         if pooled:
             thr_in, c_in = _spread_of(kth, need_in - above_in, need - above)
-            t_in = _ties_before(t_run, c)
+            t_in = _tie_rank(t_run, c)[0]
 
     row = out_ptr + b * sob + h * soh
     out_row = row + (sink + local) * sok
