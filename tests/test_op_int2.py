@@ -91,6 +91,27 @@ def test_int2_scores_matches_reference(variant, dtype, G, D, group):
     torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pos", [None, 0, 37])
+def test_int2_scores_on_strided_buffers(pos):
+    """Codes, scales and zeros inside wider rows (a cache with room to spare): the kernel's packed
+    fast path must not assume contiguous rows; unwritten slots score -inf."""
+    g = gen(11)
+    B, Hkv, G, L, D, group = 2, 3, 4, 70, 64, 16
+    k = randn(B, Hkv, L, D, g=g)
+    codes, scale, zero = ref.int2_quantize(k.cpu(), group)
+    wide = lambda t: torch.cat([t, torch.zeros_like(t[..., :1])], -1).to(DEV)[..., :-1]  # noqa: E731
+    codes, scale, zero = wide(codes), wide(scale), wide(zero).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert codes.stride(-2) != codes.shape[-1] and scale.stride(-2) != scale.shape[-1] and zero.stride(-1) != 1
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
+    p = None if pos is None else torch.tensor([pos], device=DEV)
+    with poisoned():
+        got = K.int2_scores(q, codes, scale, zero, p).cpu()
+    want = ref.int2_scores(q.cpu(), codes.cpu(), scale.cpu(), zero.cpu(), None if p is None else p.cpu())
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=5e-5 * want[fin].abs().max().item() * 2, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -113,16 +113,29 @@ def int2_write(codes, scale, zero, k, pos) -> None:
 
 # ---------------------------------------------------------------------------------- scores
 @triton.jit
+def _int2_scales(s_row, z_row, start, filled, ssl, ssm, szl, szm,
+                 M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The scales and zeros of BLOCK_L keys as float32 [BLOCK_L, M_PAD] (0 past the written keys)."""
+    o64 = (start + tl.arange(0, BLOCK_L)).to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    lm = (o64 < filled)[:, None] & (m < M)[None, :]
+    sc = tl.load(s_row + o64[:, None] * ssl + m[None, :] * ssm, mask=lm, other=0.0).to(tl.float32)
+    z = tl.load(z_row + o64[:, None] * szl + m[None, :] * szm, mask=lm, other=0.0).to(tl.float32)
+    return sc, z
+
+
+@triton.jit
 def _int2_scores_tile(
-    q_bd, q_hi, qsum, c_row, s_row, z_row, o_row, start, filled, L, scl, scw, ssl, ssm, szl, szm, sol,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+    q_bd, q_hi, qsum, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
 ):
-    """Scores of BLOCK_L keys: their codes as a [BLOCK_L, D] tile of small floats times the block-
-    diagonal query matrix [D, M_PAD * G_PAD] (column m * G_PAD + g holds query head g on the
-    channels of scale group m) in one MMA; then per key and head sum_m scale_m * dot_m +
-    zero_m * qsum_m, and the max over the heads.
+    """Scores of BLOCK_L written keys (sc, z: their scales and zeros, loaded a tile ahead): their
+    codes as a [BLOCK_L, D] tile of small floats times the block-diagonal query matrix
+    [D, M_PAD * G_PAD] (column m * G_PAD + g holds query head g on the channels of scale group m)
+    in one MMA; then per key and head sum_m scale_m * dot_m + zero_m * qsum_m, and the max over
+    the heads.
 
     VARIANT 0 unpacks each code (shift, mask, convert); VARIANT 1 makes two codes per 32-bit op:
     (word >> 2i) & 0x00030003 | MAGIC puts channels i and i + 8 of a word, plus a constant 2^k,
@@ -130,40 +143,40 @@ def _int2_scores_tile(
     against the matching query rows; the constant's share, 2^k * qsum, is taken off with the zero."""
     offs = start + tl.arange(0, BLOCK_L)
     o64 = offs.to(tl.int64)
-    if start < filled:
-        live = offs < filled
-        NW: tl.constexpr = D // 16
-        w = tl.arange(0, NW)
-        words = tl.load(c_row + o64[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
-        if VARIANT == 1:
-            pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
-            lo = tl.reshape(pair.to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
-            hi = tl.reshape((pair >> 16).to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
-            part = tl.dot(lo, q_bd, input_precision=DOT_PRECISION)
-            part = tl.dot(hi, q_hi, part, input_precision=DOT_PRECISION)
-        elif VARIANT == 2:  # as 1, halves joined back into channel order: one MMA on the natural tile
-            pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
-            lo = pair.to(tl.int16).to(HALF, bitcast=True)
-            hi = (pair >> 16).to(tl.int16).to(HALF, bitcast=True)
-            tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_L, D)).to(OP_DTYPE)
-            part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)
-        else:
-            codes = (words[:, :, None] >> (2 * tl.arange(0, 16))[None, None, :]) & 3
-            tile = tl.reshape(codes, (BLOCK_L, D)).to(OP_DTYPE)
-            part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)  # [BLOCK_L, M_PAD * G_PAD]
-        part = tl.reshape(part, (BLOCK_L, M_PAD, G_PAD))
-        m = tl.arange(0, M_PAD)
-        lm = live[:, None] & (m < M)[None, :]
-        sc = tl.load(s_row + o64[:, None] * ssl + m[None, :] * ssm, mask=lm, other=0.0).to(tl.float32)
-        z = tl.load(z_row + o64[:, None] * szl + m[None, :] * szm, mask=lm, other=0.0).to(tl.float32)
-        if VARIANT > 0:
-            z = z - sc * MAGIC_VALUE
-        acc = tl.sum(part * sc[:, :, None], axis=1) + tl.sum(z[:, :, None] * qsum[None, :, :], axis=1)
-        acc = tl.where((tl.arange(0, G_PAD) < G)[None, :], acc, float("-inf"))
-        score = tl.where(live, tl.max(acc, axis=1), float("-inf"))
-    else:  # not written yet: never read, scored -inf
-        score = tl.full([BLOCK_L], float("-inf"), tl.float32)
+    live = offs < filled
+    NW: tl.constexpr = D // 16
+    w = tl.arange(0, NW)
+    words = tl.load(c_row + o64[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
+    if VARIANT == 1:
+        pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
+        lo = tl.reshape(pair.to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
+        hi = tl.reshape((pair >> 16).to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
+        part = tl.dot(lo, q_bd, input_precision=DOT_PRECISION)
+        part = tl.dot(hi, q_hi, part, input_precision=DOT_PRECISION)
+    elif VARIANT == 2:  # as 1, halves joined back into channel order: one MMA on the natural tile
+        pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
+        lo = pair.to(tl.int16).to(HALF, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(HALF, bitcast=True)
+        tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_L, D)).to(OP_DTYPE)
+        part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)
+    else:
+        codes = (words[:, :, None] >> (2 * tl.arange(0, 16))[None, None, :]) & 3
+        tile = tl.reshape(codes, (BLOCK_L, D)).to(OP_DTYPE)
+        part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)  # [BLOCK_L, M_PAD * G_PAD]
+    part = tl.reshape(part, (BLOCK_L, M_PAD, G_PAD))
+    if VARIANT > 0:
+        z = z - sc * MAGIC_VALUE
+    acc = tl.sum(part * sc[:, :, None], axis=1) + tl.sum(z[:, :, None] * qsum[None, :, :], axis=1)
+    acc = tl.where((tl.arange(0, G_PAD) < G)[None, :], acc, float("-inf"))
+    score = tl.where(live, tl.max(acc, axis=1), float("-inf"))
     tl.store(o_row + o64 * sol, score, mask=offs < L)
+
+
+@triton.jit
+def _unwritten_tile(o_row, start, L, sol, BLOCK_L: tl.constexpr):
+    """Slots not written yet: never read, scored -inf."""
+    offs = start + tl.arange(0, BLOCK_L)
+    tl.store(o_row + offs.to(tl.int64) * sol, tl.full([BLOCK_L], float("-inf"), tl.float32), mask=offs < L)
 
 
 @triton.jit
@@ -189,7 +202,15 @@ def _int2_scores_kernel(
     MAGIC_VALUE: tl.constexpr,  # VARIANT 1: 2^k as a float (128 or 1024)
     HALF: tl.constexpr,  # VARIANT 1: that 16-bit float type
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
+    PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
 ):
+    if PACKED:  # known strides let the loads vectorise (16 B of codes, 8 B of scales) and pipeline
+        scl = D // 16
+        scw = 1
+        ssl = M
+        ssm = 1
+        szl = M
+        szm = 1
     pid = tl.program_id(0)
     r = tl.program_id(1)
     b, h = row_of(r, Hkv)
@@ -218,16 +239,34 @@ def _int2_scores_kernel(
     s_row = scale_ptr + b * ssb + h * ssh
     z_row = zero_ptr + b * szb + h * szh
     o_row = out_ptr + b * sob + h * soh
+    # tiles holding written keys, then the unwritten rest (-inf, never read): no branch in the
+    # scoring loop, so its loads are software-pipelined
+    STEP = PROGS * BLOCK_L
+    first = pid * BLOCK_L
+    rest = first + tl.cdiv(tl.maximum(filled - first, 0), STEP) * STEP
+    sc, z = _int2_scales(s_row, z_row, first, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)  # a tile ahead
     if USE_FOR:
-        for start in tl.range(pid * BLOCK_L, L, PROGS * BLOCK_L):  # grid-stride
-            _int2_scores_tile(q_bd, q_hi, qsum, c_row, s_row, z_row, o_row, start, filled, L, scl, scw, ssl, ssm, szl,
-                              szm, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
+        for start in tl.range(first, filled, STEP):  # grid-stride
+            sc_next, z_next = _int2_scales(s_row, z_row, start + STEP, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)
+            _int2_scores_tile(q_bd, q_hi, qsum, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
+            sc = sc_next
+            z = z_next
+        for start in tl.range(rest, L, STEP):
+            _unwritten_tile(o_row, start, L, sol, BLOCK_L)
     else:
-        start = pid * BLOCK_L
+        start = first
+        while start < filled:
+            sc_next, z_next = _int2_scales(s_row, z_row, start + STEP, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)
+            _int2_scores_tile(q_bd, q_hi, qsum, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
+            sc = sc_next
+            z = z_next
+            start += STEP
+        start = rest
         while start < L:
-            _int2_scores_tile(q_bd, q_hi, qsum, c_row, s_row, z_row, o_row, start, filled, L, scl, scw, ssl, ssm, szl,
-                              szm, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
-            start += PROGS * BLOCK_L
+            _unwritten_tile(o_row, start, L, sol, BLOCK_L)
+            start += STEP
 
 
 _OP_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -288,6 +327,7 @@ def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=
         MAGIC_VALUE=128.0 if half == torch.bfloat16 else 1024.0,
         HALF=_OP_DTYPE[half or torch.float16],
         USE_FOR=not interpreting(),
+        PACKED=codes.stride()[2:] == (D // 16, 1) and scale.stride()[2:] == zero.stride()[2:] == (M, 1),
         num_warps=warps, num_stages=stages,
     )
     return out
