@@ -121,6 +121,25 @@ def axes(ax, xlabel: str, ylabel: str | None = None, title: str | None = None) -
         ax.set_title(title)
 
 
+def tradeoff(path, panels: dict, adaptive) -> Path:
+    """Agreement against the mean tokens chosen per step, one panel per context: `panels` maps a
+    context to {plan: [(tokens, agreement), ...]}; a fixed-budget plan is drawn as a curve over its
+    sparsities, an adaptive one (`adaptive(plan)`: -mass<p>) as points."""
+    plt = pyplot()
+    fig, axs = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, (n, series) in zip(axs[0], sorted(panels.items())):
+        for plan, pts in series.items():
+            ada = adaptive(plan)
+            ax.plot(*zip(*sorted(pts)), marker="*" if ada else "o", ms=10 if ada else 5, ls="none" if ada else "-", label=plan)
+        axes(ax, "tokens chosen per step and KV head (mean)", title=f"context {n}")
+        ax.grid(alpha=0.3)
+    axs[0][0].set_ylabel("next-token agreement with dense")
+    axs[0][-1].legend(fontsize=7)
+    out = savefig(fig, path)
+    plt.close(fig)
+    return out
+
+
 def savefig(fig, path, dpi: int = 110) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)

@@ -75,31 +75,15 @@ def plot(results: dict, png: Path) -> list[Path]:
 
 
 def tradeoff_plot(rows: list[dict], path: Path) -> Path | None:
-    """Agreement against the mean tokens chosen per step: a fixed-budget plan as a curve over its
-    sparsities, an adaptive one (-mass<p>) as points, one panel per context."""
+    """Agreement against the mean tokens chosen per step (benchlib.tradeoff), one panel per context."""
     kept, agreement = PLOTTED["kept"][1], PLOTTED["agreement"][1]
     rows = [r for r in rows if metric(r, kept) is not None and metric(r, agreement) is not None]
     if not rows:
         return None
-    plt = benchlib.pyplot()
-    ns = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns), 3.8), squeeze=False, sharey=True)
-    for ax, n in zip(axes[0], ns):
-        sub = [r for r in rows if r["context"] == n]
-        for plan in dict.fromkeys(r["plan"] for r in sub):
-            pts = sorted((metric(r, kept), metric(r, agreement)) for r in sub if r["plan"] == plan)
-            adaptive = sparse_fx.Plan.parse(plan).mass < 1
-            ax.plot(*zip(*pts), marker="*" if adaptive else "o", ms=10 if adaptive else 5,
-                    ls="none" if adaptive else "-", label=plan)
-        ax.set_xscale("log", base=2)
-        benchlib.axes(ax, "tokens chosen per step and KV head (mean)", title=f"context {n}")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("next-token agreement with dense")
-    axes[0][-1].legend(fontsize=7)
-    out = benchlib.savefig(fig, path)
-    plt.close(fig)
-    return out
-
+    panels: dict = {}
+    for r in rows:
+        panels.setdefault(r["context"], {}).setdefault(r["plan"], []).append((metric(r, kept), metric(r, agreement)))
+    return benchlib.tradeoff(path, panels, lambda plan: sparse_fx.Plan.parse(plan).mass < 1)
 
 
 def ints(text: str) -> list[int]:

@@ -28,6 +28,7 @@ Writes <out>/agreement.json, .md and .png (agreement-<tag>.* with --tag).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -278,8 +279,15 @@ def main() -> None:
     ap.add_argument("--passkey-sparsity", default="", help="sparsities that get pass keys (default: all of --sparsity)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--tag", default="", help="names the outputs agreement-<tag>.* (default: agreement.*)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the cells of these results into --out/agreement-<tag>.*")
     benchlib.add_out(ap)
     a = ap.parse_args()
+    stem = f"agreement-{a.tag}" if a.tag else "agreement"
+    if a.merge:
+        report = merge([json.loads(Path(f).read_text()) for f in a.merge], benchlib.header(a))
+        benchlib.save(a.out, stem, report, markdown=markdown(report), plot=lambda png: plot(report, png))
+        print(markdown(report))
+        return
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     try:
         plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
@@ -290,7 +298,6 @@ def main() -> None:
         ap.error(f"--span must lie in 1..{min(contexts) - 1} (below the shortest context) and --windows be >= 1")
     model, tok = load_model(device=device)
     report = {"meta": benchlib.header(a), "runs": []}
-    stem = f"agreement-{a.tag}" if a.tag else "agreement"
     t0 = time.perf_counter()
     sparsities = [int(x) for x in a.sparsity.split(",")]
     keyed = [int(x) for x in a.passkey_sparsity.split(",")] if a.passkey_sparsity else sparsities
@@ -314,6 +321,8 @@ def markdown(report: dict) -> str:
              f"{meta['date'][:10]}): mean over windows ± standard error; budget n/s + sink + local; kept: tokens chosen by score per step and KV head "
              "(the budget; fewer under -mass<p>), mean over sparse layers.", "",
              "| context | sparsity | plan | tokens | kept | agreement | of oracle | CE delta |", "|---|---|---|---|---|---|---|---|"]
+    if "merged" in meta:
+        lines[1:1] = ["", "Cells of: " + "; ".join(f"`{m['command']}` ({m['commit']})" for m in meta["merged"])]
     for run in report["runs"]:
         for name, r in run["plans"].items():
             a, c = r["agreement"], r["ce_delta"]
@@ -332,8 +341,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, path: Path) -> None:
-    """Agreement with dense vs context, one panel per sparsity, error bars of one standard error."""
+def merge(reports: list[dict], meta: dict) -> dict:
+    """One report of several runs' cells: plans (and pass keys) of the same context and sparsity
+    side by side, the first report's row kept where two measured the same plan."""
+    cells: dict = {}
+    for rep in reports:
+        for run in rep["runs"]:
+            cell = cells.setdefault((run["context"], run["sparsity"]), {**run, "plans": {}})
+            for name, row in run["plans"].items():
+                cell["plans"].setdefault(name, row)
+            if "passkey" in run:
+                cell.setdefault("passkey", {})
+                for name, row in run["passkey"].items():
+                    cell["passkey"].setdefault(name, row)
+    meta = {**reports[0]["meta"], "command": meta["command"], "merged": [rep["meta"] for rep in reports]}  # where they ran
+    return {"meta": meta, "runs": [cells[k] for k in sorted(cells)]}
+
+
+def plot(report: dict, path: Path) -> list[Path]:
+    """Agreement with dense vs context, one panel per sparsity, error bars of one standard error;
+    with adaptive plans (-mass<p>), also agreement against the tokens kept (<stem>-tradeoff.png)."""
+    paths = [_plot_contexts(report, path)]
+    panels: dict = {}
+    for run in report["runs"]:
+        for name, r in run["plans"].items():
+            panels.setdefault(run["context"], {}).setdefault(name, []).append((r["kept"]["mean"], 100 * r["agreement"]["mean"]))
+    if any("-mass" in name for series in panels.values() for name in series):
+        paths.append(benchlib.tradeoff(path.with_name(f"{path.stem}-tradeoff.png"), panels, lambda name: "-mass" in name))
+    return paths
+
+
+def _plot_contexts(report: dict, path: Path) -> Path:
     plt = benchlib.pyplot()
     sparsities = sorted({r["sparsity"] for r in report["runs"]})
     fig, axes = plt.subplots(1, len(sparsities), figsize=(5.5 * len(sparsities), 4.2), squeeze=False)
@@ -345,7 +383,7 @@ def plot(report: dict, path: Path) -> None:
                         marker="o", capsize=3, label=name)
         benchlib.axes(ax, "context (tokens)", "next-token agreement with dense (%)", f"sparsity 1/{sp}, budget n/{sp} + sink + local")
     axes[0][0].legend(fontsize=7)
-    benchlib.savefig(fig, path)
+    return benchlib.savefig(fig, path)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,26 @@ def test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass(tmp_path)
     assert all(abs(v - 1) < 1e-6 for v in covering["per_layer"]), covering["per_layer"]
     narrow = next(x for x in rows if x["proposal"] == "int2" and x["rho"] == 2)
     assert narrow["mass_vs_oracle"] < covering["mass_vs_oracle"]
+
+
+def test_teacher_agreement_merges_runs_cell_by_cell(tmp_path):
+    """--merge of two committed runs (the same cells, different plans): each cell holds both runs'
+    plans, a plan both measured keeps the first run's row, the markdown names both commands, and the
+    adaptive plans get the agreement-against-tokens figure."""
+    runs = [ROOT / "bench/results/agreement-gpu-adaptive.json", ROOT / "bench/results/agreement-gpu-adaptive-oracle.json"]
+    r = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", *map(str, runs), "--tag", "m",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = (json.loads(p.read_text()) for p in runs)
+    merged = json.loads((tmp_path / "agreement-m.json").read_text())
+    cells = {(c["context"], c["sparsity"]): c for c in merged["runs"]}
+    assert set(cells) == {(c["context"], c["sparsity"]) for c in a["runs"] + b["runs"]}
+    for run in a["runs"] + b["runs"]:
+        assert set(run["plans"]) <= set(cells[run["context"], run["sparsity"]]["plans"])
+    first = {(c["context"], c["sparsity"]): c for c in a["runs"]}
+    for key, cell in cells.items():
+        if key in first:
+            assert cell["plans"]["oracle"] == first[key]["plans"]["oracle"]
+    md = (tmp_path / "agreement-m.md").read_text()
+    assert all(m["command"] in md for m in (a["meta"], b["meta"])) and "oracle-mass0.95" in md
+    assert (tmp_path / "agreement-m-tradeoff.png").stat().st_size > 10_000
