@@ -52,9 +52,9 @@ class Plan:
     signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
 
     `mass` < 1 makes the budget adaptive: per layer, KV head and step, only the fewest candidates
-    whose estimated attention mass reaches that share of all candidates' mass are kept, at most
-    `budget` of them (1: always `budget`). Shapes stay static: unused slots hold -1. See
-    `sparse_fx.methods.mass_cut`; methods without a mass estimate (hash) refuse it.
+    whose attention mass reaches that share of all candidates' mass are kept, at most `budget` of
+    them (1: always `budget`). Shapes stay static: unused slots hold -1. See
+    `sparse_fx.methods.mass_cut`; methods without exact mass (hash, static) refuse it.
     """
 
     method: str = "dense"

@@ -131,9 +131,10 @@ def test_bad_mass_is_rejected_naming_the_valid_range(mass):
 
 @pytest.mark.parametrize("name, options, match", [
     ("hash", {"mass": 0.9}, r"mass=0.9 needs a method that estimates attention mass; 'hash' does not "
-                            r"\(valid with mass < 1: oracle, prism, static\)"),
+                            r"\(valid with mass < 1: oracle, prism\)"),
     ("dense-mass0.5", {}, "'dense' does not"),
-    ("static-g2-hash-mass0.5", {}, r"mass=0.5 does nothing in static with proposal='hash'.*valid with mass < 1: prism "),
+    ("static-g2-hash-mass0.5", {}, r"mass=0.5 needs a method that estimates attention mass; 'static' does not"),
+    ("static-g2-mass0.5", {}, r"'static' does not \(valid with mass < 1: oracle, prism\)"),
     ("oracle-massx", {}, r"unknown plan 'oracle-massx'; .*any of them \+ -mass<p> \(0 < p <= 1"),
     ("oracle-mass2", {}, r"must be a number in \(0, 1\], got 2.0"),
     ("oracle-mass1..5", {}, "-mass1..5 is not a number"),

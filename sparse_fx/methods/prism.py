@@ -4,11 +4,11 @@ With `proposal="hash"` (plan name suffix `-hash`) proposal layers score with Has
 32-bit signatures instead (4 bytes a key against INT2's 48 at head dim 128), beyond both papers.
 
 Under a plan's mass < 1 (`sparse_fx.methods.mass_cut`) refined layers cut their budget by the
-exact attention mass over the pool. INT2 proposal layers estimate it as softmax over the pool of
-scale x their score (the best query head's <q, INT2 key>: the mass of the KV head's most attentive
-query head, INT2 error and all); signature proposals have no estimate (Hamming similarity is no
-logit) and keep the full budget. The pool itself is always rho x budget: it is what later layers
-choose from, not what this one attends to.
+exact attention mass over the pool; proposal layers keep the full budget. They have no exact mass:
+Hamming similarity is no logit, and a softmax over INT2 scores was measured overconfident (twice
+the exact top token's share; its cut kept 0.66 of the exact pool mass where the fixed budget keeps
+0.77, and cost prism-g4 1.3-2.5 points of agreement, bench/NOTES.md). The pool itself is always
+rho x budget: it is what later layers choose from, not what this one attends to.
 
 `static` is the IndexCache-style ablation (refined layers reuse the proposal's choice as is), and
 `for_search()` gives calibration's variant, where every sparse layer computes both paths and a
@@ -37,7 +37,7 @@ class Prism(Method):
     explicit_roles = True
     shipped_roles = True
     proposals = ("int2", "hash")
-    takes_mass = True  # refined layers: exact mass over the pool; INT2 proposals: an estimate
+    takes_mass = True  # refined layers: exact mass over the pool (proposal layers keep the full budget)
     refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
     search = False  # calibration: both paths everywhere, a device flag per layer picks
 
@@ -67,10 +67,6 @@ class Prism(Method):
         return lsh_notice(state, state.plan.name) if state.plan.proposal == "hash" else {}
 
     def validate(self, plan):
-        if plan.mass < 1 and plan.proposal == "hash" and not self.refine:
-            raise ValueError(f"sparse_fx: mass={plan.mass} does nothing in {self.name} with proposal='hash': its "
-                             "signature proposals have no mass estimate and its other layers reuse their selection; "
-                             "valid with mass < 1: prism with either proposal, static with proposal='int2'")
         if plan.group < 1:
             raise ValueError(f"sparse_fx: group must be >= 1 layer (1: every layer proposes, no sharing), got {plan.group}")
         if isinstance(plan.roles, tuple):
@@ -165,7 +161,8 @@ class Prism(Method):
         if site.role == "proposal":
             pool, idx = self._propose(emit, state, site)
             site.carry["proposal"] = (site.layer, pool, idx)
-            return Selection(idx, note=f", pool {p.pool}" + self._proposal_mass_note(p), pool=pool)
+            return Selection(idx, note=f", pool {p.pool}" + (", full budget (no exact mass)" if p.mass < 1 else ""),
+                             pool=pool)
         if site.role == "refined":
             if earlier is None:
                 return Selection(dense_reason="no earlier proposal layer is sparse in this graph")
@@ -185,11 +182,6 @@ class Prism(Method):
         site.carry["proposal"] = (site.layer, pool, own_idx)
         return Selection(idx, note=f", pool {p.pool}" + self.mass_note(p), pool=pool)
 
-    def _proposal_mass_note(self, plan) -> str:
-        if plan.proposal == "hash" and plan.mass < 1:
-            return ", full budget (no mass estimate from signatures)"
-        return self.mass_note(plan, " (INT2 estimate)")
-
     def _propose(self, emit, state, site):
         """Scores over the filled cache -> (pool of the best `plan.pool`, its best `budget`): INT2
         keys scored against the query, or signatures by Hamming similarity (the scan fused into
@@ -197,18 +189,12 @@ class Prism(Method):
         p = state.plan
         side = site.side
         window = (slice(None), slice(None), slice(p.window, None))
-        # The pool and the layer's own budget (chosen within the pool) from one selection, unless an
-        # INT2 budget is cut by its estimated mass, which needs the pool's scores.
-        if p.proposal == "hash":  # no mass estimate from signatures: the full budget
+        # The pool and the layer's own budget (chosen within the pool) from one selection.
+        if p.proposal == "hash":
             both = emit.call(OPS.hash_select_nested.default, query_logits(emit, state, site), side["signatures"], site.pos,
                              p.pool, p.budget, p.sink, p.local, site.mask, site.start)
         else:
             scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
-            if p.mass < 1:
-                pool = emit.call(operator.getitem, self.topk(emit, state, site, scores, p.pool), window)
-                at_pool = emit.call(_at, scores, pool)
-                mass = emit.call(_int2_mass, at_pool, pool, site.kv.head_dim**-0.5 if site.scale is None else site.scale)
-                return pool, self.topk(emit, state, site, at_pool, p.budget, pool, mass=mass)
             both = emit.call(OPS.select_nested.default, scores, site.pos, p.pool, p.budget, p.sink, p.local, site.mask,
                              site.start)
         ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
@@ -230,18 +216,8 @@ class Static(Prism):
     name, name_forms = "static", "static-g<G>[-hash] (e.g. static-g4)"
     description = "proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
     refine = False
+    takes_mass = False  # its proposal layers keep the full budget and the others reuse their choice
     shipped_roles = False  # the ablation baseline keeps its uniform grouping unless given roles
-
-
-def _at(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """scores [B,Hkv,L] read at positions [B,Hkv,N] (-1 reads slot 0; the select ignores it)."""
-    return torch.gather(scores, 2, positions.clamp(min=0).long())
-
-
-def _int2_mass(scores: torch.Tensor, pool: torch.Tensor, scale: float) -> torch.Tensor:
-    """The pool's estimated attention mass from INT2 scores [B,Hkv,N]: softmax over the pool
-    (positions [B,Hkv,N], -1 none) of scale x score (NaN where a row has no candidate: no mass)."""
-    return torch.softmax((scores * scale).masked_fill(pool < 0, float("-inf")), -1)
 
 
 register(Prism())
