@@ -267,7 +267,8 @@ def summary(values: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--plans", default="oracle,hash,hash-b256", help="comma-separated plan names or plan files (any sparse_fx plan)")
+    ap.add_argument("--plans", default=None, help="comma-separated plan names or plan files (any sparse_fx plan; default "
+                    "oracle,hash,hash-b256); with --merge, the rows to keep (default: all)")
     ap.add_argument("--encoders", nargs="*", default=[],
                     help="encoder directories: each adds a learned row of every signature plan in --plans of its width")
     ap.add_argument("--contexts", default="2048,4096,8192")
@@ -284,13 +285,14 @@ def main() -> None:
     a = ap.parse_args()
     stem = f"agreement-{a.tag}" if a.tag else "agreement"
     if a.merge:
-        report = merge([json.loads(Path(f).read_text()) for f in a.merge], benchlib.header(a))
+        report = merge([json.loads(Path(f).read_text()) for f in a.merge], benchlib.header(a),
+                       a.plans.split(",") if a.plans else None)
         benchlib.save(a.out, stem, report, markdown=markdown(report), plot=lambda png: plot(report, png))
         print(markdown(report))
         return
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     try:
-        plans = plans_of([p for p in a.plans.split(",") if p], a.encoders)
+        plans = plans_of([p for p in (a.plans or "oracle,hash,hash-b256").split(",") if p], a.encoders)
     except ValueError as e:
         ap.error(str(e))
     contexts = [int(x) for x in a.contexts.split(",")]
@@ -341,19 +343,27 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(reports: list[dict], meta: dict) -> dict:
+def merge(reports: list[dict], meta: dict, keep: list[str] | None = None) -> dict:
     """One report of several runs' cells: plans (and pass keys) of the same context and sparsity
-    side by side, the first report's row kept where two measured the same plan."""
+    side by side, the first report's row kept where two measured the same plan; `keep`: only these
+    plans' rows (and dense's pass keys)."""
     cells: dict = {}
     for rep in reports:
         for run in rep["runs"]:
             cell = cells.setdefault((run["context"], run["sparsity"]), {**run, "plans": {}})
             for name, row in run["plans"].items():
-                cell["plans"].setdefault(name, row)
+                if keep is None or name in keep:
+                    cell["plans"].setdefault(name, row)
             if "passkey" in run:
                 cell.setdefault("passkey", {})
                 for name, row in run["passkey"].items():
-                    cell["passkey"].setdefault(name, row)
+                    if keep is None or name in keep or name == "dense":
+                        cell["passkey"].setdefault(name, row)
+    for cell in cells.values():  # rows of a run without the oracle, against the oracle of another (same windows)
+        oracle = cell["plans"].get("oracle")
+        for row in cell["plans"].values():
+            if oracle is not None and not row.get("agreement_of_oracle", 0) > 0:
+                row["agreement_of_oracle"] = sum(row["per_window"]["agreement"]) / sum(oracle["per_window"]["agreement"])
     meta = {**reports[0]["meta"], "command": meta["command"], "merged": [rep["meta"] for rep in reports]}  # where they ran
     return {"meta": meta, "runs": [cells[k] for k in sorted(cells)]}
 
