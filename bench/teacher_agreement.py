@@ -350,7 +350,8 @@ def merge(reports: list[dict], meta: dict, keep: list[str] | None = None) -> dic
     cells: dict = {}
     for rep in reports:
         for run in rep["runs"]:
-            cell = cells.setdefault((run["context"], run["sparsity"]), {**run, "plans": {}})
+            cell = cells.setdefault((run["context"], run["sparsity"]),
+                                    {k: v for k, v in run.items() if k not in ("plans", "passkey")} | {"plans": {}})
             for name, row in run["plans"].items():
                 if keep is None or name in keep:
                     cell["plans"].setdefault(name, row)

@@ -120,11 +120,12 @@ def test_teacher_agreement_merges_runs_cell_by_cell(tmp_path):
     md = (tmp_path / "agreement-m.md").read_text()
     assert all(m["command"] in md for m in (a["meta"], b["meta"])) and "oracle-mass0.95" in md
     assert (tmp_path / "agreement-m-tradeoff.png").stat().st_size > 10_000
-    r = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", str(runs[1]), str(runs[0]), "--plans",
+    r = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", *map(str, runs), "--plans",
                         "prism-g4,oracle-mass0.95", "--tag", "k", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     kept = json.loads((tmp_path / "agreement-k.json").read_text())["runs"]
     assert {name for c in kept for name in c["plans"]} == {"prism-g4", "oracle-mass0.95"}
+    assert {name for c in kept for name in c.get("passkey", {})} == {"dense", "prism-g4"}  # the first run's too
     # rows keep their share of the oracle's agreement when the oracle row itself is not kept
     assert all(0.9 < c["plans"]["prism-g4"]["agreement_of_oracle"] < 1.01 for c in kept)
