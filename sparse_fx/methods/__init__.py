@@ -140,9 +140,9 @@ class Method:
         return emit.call(OPS.select_topk.default, scores, site.pos, k, p.sink, p.local, site.mask, positions, site.start)
 
     @staticmethod
-    def mass_note(plan: Plan, how: str = "") -> str:
+    def mass_note(plan: Plan) -> str:
         """explain's budget-column note for a selection under the plan's mass ("" at mass 1)."""
-        return f", mass {plan.mass!r}{how}" if plan.mass < 1 else ""
+        return f", mass {plan.mass!r}" if plan.mass < 1 else ""
 
 
 def mass_cut(scores, mass, p: float, k: int, pos, sink: int, local: int, mask=None, positions=None, start=None):

@@ -167,7 +167,7 @@ class Prism(Method):
             if earlier is None:
                 return Selection(dense_reason="no earlier proposal layer is sparse in this graph")
             layer, pool, idx = earlier
-            note = f", from L{layer}" + (self.mass_note(p) if self.refine else "")
+            note = f", from L{layer}" + self.mass_note(p)  # static refuses mass < 1
             return Selection(self._refine(emit, state, site, pool, idx), note=note, pool=pool)
         # search: both paths; the layer's flag in a device buffer picks one (see calibrate)
         own_pool, own_idx = self._propose(emit, state, site)
