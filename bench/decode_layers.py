@@ -57,12 +57,13 @@ class Layers:
         return [F.scaled_dot_product_attention(self.q[i], self.k[i], self.v[i], enable_gqa=True) for i in range(self.nl)]
 
 
-def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, head_dim: int) -> float:
+def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, head_dim: int,
+                     refined_kept: float | None = None) -> float:
     """Bytes one sparse layer's decode step must read at the least (prism-g<G>: the average over its
     group of one proposal and G - 1 refined layers): what its scores read — 32-bit signatures
     (hash, a prism-g4-hash proposal), INT2 codes with fp16 scale and zero per 32 channels (a prism-g4
     proposal), the pool's K rows (a refined layer) — and the `kept` selected K/V rows. rows: batch x
-    KV heads."""
+    KV heads; refined_kept: the rows a refined layer gathers, when an adaptive budget keeps fewer."""
     gathered = rows * kept * 2 * 2 * head_dim
     if plan == "hash":
         return rows * filled * 4 + gathered
@@ -72,5 +73,5 @@ def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, he
     group = int(m.group(1))
     scanned = 4 if m.group(2) else head_dim // 4 + 4 * (head_dim // 32)  # signatures, or INT2 codes + scales
     proposal = rows * filled * scanned + gathered
-    refined = rows * pool * 2 * head_dim + gathered
+    refined = rows * pool * 2 * head_dim + (gathered if refined_kept is None else rows * refined_kept * 2 * 2 * head_dim)
     return (proposal + (group - 1) * refined) / group

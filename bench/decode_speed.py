@@ -2,7 +2,9 @@
 
 Compares, in one process and on the same KV cache contents: Hugging Face's default generate path
 (eager, DynamicCache), dense decode compiled with a static cache and CUDA graphs (HF's repeat_kv +
-masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash`, `prism-g4` and `prism-g4-hash`.
+masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash`, `prism-g4` and `prism-g4-hash`
+(and `prism-g4-mass0.95`: over random caches attention is near uniform, so its adaptive budget keeps
+the whole budget and the row shows what the trim costs, not what it saves).
 Decode speed does not depend on weight or cache values, so caches are filled with random keys and
 values instead of running a 128K prefill per method. Beside each step: the bytes it must read
 (weights, then K/V or side caches and selected rows) and the speed-up that bound allows.
@@ -31,7 +33,7 @@ import sparse_fx
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 from decode_layers import step_floor_bytes  # bench/decode_layers.py
 
-SPARSE = ("hash", "prism-g4", "prism-g4-hash")  # sparse_fx plans this bench compiles
+SPARSE = ("hash", "prism-g4", "prism-g4-hash", "prism-g4-mass0.95")  # sparse_fx plans this bench compiles
 METHODS = ("hf-default", "dense", "dense-gqa", *SPARSE)
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -131,7 +133,7 @@ def step_bytes(model, method: str, batch: int, n: int, args) -> float:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     R, D, layers = batch * c.num_key_value_heads, c.hidden_size // c.num_attention_heads, c.num_hidden_layers
     if method in SPARSE:  # a Prism pool: 4 x budget
-        per_layer = step_floor_bytes(method, R, n, args.budget + args.sink + args.local, 4 * args.budget, D)
+        per_layer = step_floor_bytes(method.split("-mass")[0], R, n, args.budget + args.sink + args.local, 4 * args.budget, D)
     else:
         per_layer = R * n * D * 2 * 2
     return weights + layers * per_layer

@@ -10,6 +10,8 @@ Each plan's step is called through the ops the compiled graph runs (torch.ops.sp
             mass from them -> attention); reported per layer, as the group's average
   prism-g4-hash  the same group with a signature proposal (hash_select_nested: Hamming keys fused
             with the pool's and the budget's selection)
+  prism-g4-mass0.95  prism-g4 with the adaptive budget: refined layers' selections trimmed to 0.95
+            of the pool's attention mass (mass_select's trim); the mean tokens they keep is reported
 against dense decode attention over the whole cache (SDPA with enable_gqa, flash, unmasked: the
 best dense). bf16, Hq=32, Hkv=8, D=128 (Llama-3.1-8B), sink 128 + local 128 + budget.
 
@@ -17,10 +19,14 @@ The step of NL distinct layers (so replays do not find the previous layer's data
 captured in a CUDA graph and replayed (median of windows). Per kernel: device time from the
 profiler, the bytes it must move by the model below, achieved bandwidth and its share of a
 device-to-device copy measured in the same run; the whole step against the floor of its bytes;
-launches per layer. `--short` adds a cache filled only to budget + sink + local.
+launches per layer. `--short` adds a cache filled only to budget + sink + local. Random keys and
+queries attend almost uniformly; `--sharpness` scales the queries (logits' spread) so that an
+adaptive budget has something to trim (3.25: 0.95 of a random 16K pool's mass in ~85% of a
+4096 budget, as SmolLM2 kept at 2K, 1/8).
 
     python bench/kernel_step.py --out DIR             # H200: about 4 minutes
     python bench/kernel_step.py --contexts 32768 --batches 1
+    python bench/kernel_step.py --contexts 131072 --plans prism-g4 prism-g4-mass0.95 --sharpness 3.25
     python bench/kernel_step.py --smoke                # CPU, TRITON_INTERPRET=1, tiny shapes, prints only
 """
 
@@ -50,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="distinct layers cycled per step")
     p.add_argument("--short", action="store_true", help="also a cache filled to budget + sink + local")
     p.add_argument("--repeat", type=int, default=1, help="measure each shape this many times (medians reported)")
+    p.add_argument("--plans", nargs="+", default=["hash", "prism-g4", "prism-g4-hash"],
+                   choices=["hash", "prism-g4", "prism-g4-hash", "prism-g4-mass0.95"])
+    p.add_argument("--sharpness", type=float, default=1.0, help="query scale: the spread of the attention logits")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes; prints only")
     benchlib.add_out(p)
     return p.parse_args(argv)
@@ -85,8 +94,9 @@ class Steps:
             out.append(OPS.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx, None, st.mask))
         return out
 
-    def prism(self, proposal: str = "int2"):
-        """One group: layer 0 proposes, layers 1..3 refine (their K/V: layer j % NL)."""
+    def prism(self, proposal: str = "int2", mass: float = 1.0):
+        """One group: layer 0 proposes, layers 1..3 refine (their K/V: layer j % NL); mass < 1 trims
+        the refined layers' selections (the adaptive budget)."""
         st, a = self.st, self.a
         if proposal == "hash":
             q_logits = (st.q[0] @ st.proj)[:, :, 0]
@@ -100,19 +110,27 @@ class Steps:
         idx = [own]
         for j in (1, 2, 3):
             i = j % st.nl
-            idx.append(OPS.mass_select(st.q[i], st.k[i], None, st.mask, pool, st.pos, a.budget, a.sink, a.local, None))
+            idx.append(OPS.mass_select(st.q[i], st.k[i], None, st.mask, pool, st.pos, a.budget, a.sink, a.local, None, mass))
+        self.refined = idx[1:]
         return [OPS.sparse_decode_attention(st.q[j % st.nl], st.k[j % st.nl], st.v[j % st.nl], x, None, st.mask)
                 for j, x in enumerate(idx)]
 
     def prism_hash(self):
         return self.prism("hash")
 
-    def plans(self):
+    def prism_mass(self):
+        return self.prism(mass=0.95)
+
+    def refined_kept(self) -> float:
+        """Mean tokens a refined layer chose by score in the last Prism step (besides the window)."""
+        return statistics.mean(float((x[..., self.win:] >= 0).sum(-1).double().mean()) for x in self.refined)
+
+    def plans(self, names):
         """(plan, its step, the layers one call covers): a hash step covers every layer, a Prism step one group."""
-        return tuple((plan, getattr(self, step), self.st.nl if plan == "hash" else 4) for plan, step in PLANS.items())
+        return tuple((plan, getattr(self, PLANS[plan]), self.st.nl if plan == "hash" else 4) for plan in names)
 
 
-PLANS = {"hash": "hash", "prism-g4": "prism", "prism-g4-hash": "prism_hash"}  # plan -> its Steps method
+PLANS = {"hash": "hash", "prism-g4": "prism", "prism-g4-hash": "prism_hash", "prism-g4-mass0.95": "prism_mass"}  # plan -> its Steps method
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -139,6 +157,7 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
 def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
     dev = torch.device("cuda")
     st = Layers(B, L, a.layers, dev, HQ, HKV, D, filled)
+    st.q = [q * a.sharpness for q in st.q]
     steps = Steps(st, a)
     row = dict(context=L, filled=filled, batch=B, layers=st.nl)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -148,8 +167,10 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
     kv = 2 * B * HKV * L * D * 2
     row["dense_gbps"] = kv / row["dense_ms"] / 1e6
     per = kernel_bytes(B, L, filled, a)
-    for plan, fn, layers in steps.plans():
+    for plan, fn, layers in steps.plans(a.plans):
         ms = benchlib.time_graph(fn) / layers
+        fn()
+        kept = steps.refined_kept() if plan.startswith("prism") else a.budget
         kernels = []
         for name, (us, launches) in sorted(benchlib.kernel_times(fn).items(), key=lambda kv_: -kv_[1][0]):
             b = per.get(name)
@@ -159,8 +180,9 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
             if b is not None:
                 rec.update(bytes=b, gbps=b / (us / layers) / 1e3, copy_fraction=b / (us / layers) / 1e3 / copy)
             kernels.append(rec)
-        floor = step_floor_bytes(plan, B * HKV, filled, a.budget + a.sink + a.local, round(a.rho * a.budget), D)
-        row[plan] = dict(ms=ms, speedup=row["dense_ms"] / ms, kernels=kernels,
+        floor = step_floor_bytes(plan.split("-mass")[0], B * HKV, filled, a.budget + a.sink + a.local,
+                                 round(a.rho * a.budget), D, refined_kept=kept + a.sink + a.local)
+        row[plan] = dict(ms=ms, speedup=row["dense_ms"] / ms, kernels=kernels, refined_kept=kept,
                          launches_per_layer=sum(k["launches"] for k in kernels),
                          floor_bytes=floor, floor_ms=floor / copy / 1e6,
                          ceiling_speedup=row["dense_ms"] / (floor / copy / 1e6))
@@ -173,7 +195,7 @@ def median_rows(runs: list[dict]) -> dict:
     """The median over repeated measurements of one shape (per plan and per kernel)."""
     out = dict(runs[0])
     out["dense_ms"] = statistics.median(r["dense_ms"] for r in runs)
-    for plan in PLANS:
+    for plan in (p for p in PLANS if p in runs[0]):
         out[plan] = dict(runs[0][plan])
         out[plan]["ms"] = statistics.median(r[plan]["ms"] for r in runs)
         out[plan]["speedup"] = out["dense_ms"] / out[plan]["ms"]
@@ -184,7 +206,8 @@ def median_rows(runs: list[dict]) -> dict:
 
 def run_gpu(a) -> dict:
     res = dict(meta=benchlib.header(a), config=dict(heads=HQ, kv_heads=HKV, head_dim=D, budget=a.budget, sink=a.sink,
-                                                     local=a.local, rho=a.rho, dtype="bfloat16"), rows=[])
+                                                     local=a.local, rho=a.rho, dtype="bfloat16", sharpness=a.sharpness),
+               rows=[])
     shapes = [(L, B, L) for L in a.contexts for B in a.batches]
     if a.short:
         filled = a.budget + a.sink + a.local
@@ -199,9 +222,7 @@ def run_gpu(a) -> dict:
         row = median_rows([measure_shape(L, B, filled, a, copy) for _ in range(a.repeat)])
         res["rows"].append(row)
         print(f"L={L:>7} filled={filled:>7} B={B:>2}  dense {row['dense_ms'] * 1e3:7.1f} us  "
-              f"hash {row['hash']['ms'] * 1e3:7.1f} us (x{row['hash']['speedup']:.2f})  "
-              f"prism-g4 {row['prism-g4']['ms'] * 1e3:7.1f} us (x{row['prism-g4']['speedup']:.2f})  "
-              f"prism-g4-hash {row['prism-g4-hash']['ms'] * 1e3:7.1f} us (x{row['prism-g4-hash']['speedup']:.2f})", flush=True)
+              + "  ".join(f"{p} {row[p]['ms'] * 1e3:7.1f} us (x{row[p]['speedup']:.2f})" for p in a.plans), flush=True)
     res["wall_s"] = time.perf_counter() - T0
     return res
 
@@ -209,14 +230,22 @@ def run_gpu(a) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"Kernel roofline, {res['meta']['gpu']} (copy {res['copy_gbps']:.0f} GB/s), bf16, Hq={HQ}, Hkv={HKV}, "
              f"D={D}, budget {res['config']['budget']} + {res['config']['sink']} + {res['config']['local']}; "
-             f"per layer (prism-g4: group average); `{res['meta']['command']}`", "",
-             "| context | filled | batch | dense | " + " | ".join(f"{p} | x | floor x" for p in PLANS) + " | launches |",
-             "|---|---|---|---|" + "---|---|---|" * len(PLANS) + "---|"]
+             f"per layer (prism-g4: group average); query sharpness {res['config'].get('sharpness', 1.0)}; "
+             f"`{res['meta']['command']}`", ""]
+    plans = [p for p in PLANS if p in res["rows"][0]]
+    lines += ["| context | filled | batch | dense | " + " | ".join(f"{p} | x | floor x" for p in plans) + " | launches |",
+              "|---|---|---|---|" + "---|---|---|" * len(plans) + "---|"]
     for r in res["rows"]:
         cells = [f"{r[p]['ms'] * 1e3:.1f} us | {r[p]['speedup']:.2f} | {r[p]['ceiling_speedup']:.1f}" for p in PLANS if p in r]
         launches = " / ".join(f"{r[p]['launches_per_layer']:.1f}" for p in PLANS if p in r)
         lines.append(f"| {r['context']} | {r['filled']} | {r['batch']} | {r['dense_ms'] * 1e3:.1f} us | "
                      + " | ".join(cells) + f" | {launches} |")
+    adaptive = [p for p in plans if "-mass" in p]
+    if adaptive:
+        lines += ["", "Tokens a refined layer chose by score (mean over rows; the fixed budget: "
+                  f"{res['config']['budget']}): "
+                  + "; ".join(f"{p} at {r['context']} B{r['batch']}: {r[p]['refined_kept']:.0f}" for r in res["rows"]
+                              for p in adaptive)]
     lines += ["", "Per kernel (us per layer, bytes it must move, achieved GB/s, share of the copy bandwidth):", "",
               "| context | batch | plan | kernel | launches | us | MB | GB/s | of copy |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -233,7 +262,7 @@ def markdown(res: dict) -> str:
 def plot(res: dict, path) -> None:
     plt = benchlib.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for plan, style in zip(PLANS, ("-", "--", ":")):
+    for plan, style in zip((p for p in PLANS if p in res["rows"][0]), ("-", "--", ":", "-.")):
         for B in sorted({r["batch"] for r in res["rows"]}):
             pts = sorted((r["context"], r[plan]["speedup"]) for r in res["rows"] if r["batch"] == B and r["filled"] == r["context"])
             if pts:
@@ -258,7 +287,7 @@ def run_smoke(a) -> None:
     steps = Steps(st, a)
     from sparse_fx.lowering import kernels as K
 
-    for name, fn, _ in steps.plans():
+    for name, fn, _ in steps.plans(PLANS):
         outs = fn()
         assert all(torch.isfinite(o).all() for o in outs), name
     q_logits = (st.q[0] @ st.proj)[:, :, 0]

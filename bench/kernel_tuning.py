@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Launch-knob sweep of the decode-step kernels on one GPU, checked against the reference first.
 
-For each kernel (hash_select, select_topk over float scores, int2_scores, sparse_decode_attention)
+For each kernel (hash_select, select_topk over float scores, mass_select at mass 1 and 0.95,
+int2_scores, sparse_decode_attention)
 and each shape (context x batch; Hq=32, Hkv=8, D=128, bf16, budget 4096 + 128 + 128, pool 4 x
 4096) it times every configuration of its launch knobs by CUDA-graph replay over 4 distinct layers
 (so replays do not find the last layer's data in L2), and reports the best with its bytes and the
@@ -100,6 +101,12 @@ def check_correctness() -> list[str]:
     a = S.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
     b2 = ref.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
     out.append(f"select_topk pool: {'exact' if torch.equal(a, b2) else 'MISMATCH ' + str(int((a != b2).sum()))}")
+    kq = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    qm = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    for mass in (1.0, 0.9):
+        r = ref.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass)
+        a = S.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass=mass)
+        out.append(f"mass_select mass={mass}: {'exact' if torch.equal(a, r) else 'MISMATCH ' + str(int((a != r).sum()))}")
     a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start, k_inner=300)
     b3 = ref.select_nested(sc, pos, 1024, 300, SINK, LOCAL, mask, start)
     same = torch.equal(a[0], b3[0]) and torch.equal(a[1], b3[1])
@@ -194,6 +201,12 @@ def main() -> None:
                                            lambda **c: per_layer(lambda i: S.select_topk(
                                                pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
                                            R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape))
+            for mass in (1.0, 0.95):  # a refined layer's selection: the pool's mass, its top budget, trimmed
+                record(f"mass_select_{mass}", sweep(f"mass_select in pool {mass}", dict(
+                    block=[1024, 4096], warps=[4, 8], waves=[4, 8], level_bits=[8], cap=[16, 64]),
+                    lambda **c: per_layer(lambda i: S.mass_select(st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET,
+                                                                  SINK, LOCAL, None, mass=mass, **c)),
+                    R * pool_n * (4 + 2 * D + 8 * (HQ // HKV) + 4) * nl, copy, res["rows"], shape))
             cfg, cfg_in = best["select_pool"]["config"], best["select_in_pool"]["config"]
             profile["select_pool"] = benchlib.kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask,
                                                                         None, None, **cfg))
@@ -229,13 +242,14 @@ def main() -> None:
     res["wall_s"] = time.perf_counter() - T0
     benchlib.save(ARGS.out, stem, res)
     print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
-          f"{'nested':>7} {'inpool':>7} {'attn':>7} {'old':>7}   (us per layer)")
+          f"{'nested':>7} {'inpool':>7} {'mass':>7} {'mass.95':>7} {'attn':>7} {'old':>7}   (us per layer)")
     for b in res["best"]:
         def us(key):
             return f"{b[key]['ms'] * 1e3:.1f}" if key in b else "-"
         print(f"{b['context']:>7} {b['batch']:>3} {us('dense_sdpa'):>8} {us('hash_select'):>9} {us('hash_select_old'):>7} "
               f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} {us('select_nested'):>7} "
-              f"{us('select_in_pool'):>7} {us('attention'):>7} {us('attention_old'):>7}")
+              f"{us('select_in_pool'):>7} {us('mass_select_1.0'):>7} {us('mass_select_0.95'):>7} {us('attention'):>7} "
+              f"{us('attention_old'):>7}")
     print(f"wall {res['wall_s']:.0f} s")
 
 

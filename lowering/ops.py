@@ -194,16 +194,23 @@ def _check_hash(q_logits, k_sig, pos, k, sink, local, mask, start, what: str) ->
     _check_mask(mask, q_logits[:, :, None], k_sig.shape[2], what)
 
 
+def _check_mass(mass: float, scores_float: bool, what: str) -> None:
+    _check(0 < mass <= 1, f"{what}: mass must be in (0, 1] (the share of attention mass to keep), got {mass}")
+    _check(mass == 1 or scores_float, f"{what}: mass < 1 needs float scores (attention masses)")
+
+
 @triton_op("sparse_fx::select_topk", mutates_args=())
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None, mass: float = 1.0) -> torch.Tensor:
     """[B,Hkv,sink+local+k] int32 positions: sink, local window, then the top-k candidates in candidate
-    order (-1 empty); ties at the cut spread evenly over the tied candidates. start [B]: each row's first real position."""
+    order (-1 empty); ties at the cut spread evenly over the tied candidates. start [B]: each row's first real position.
+    mass < 1: the scores are attention masses; of the top-k keep the fewest holding that share of all candidates' mass."""
     _check_select(pos, k, sink, local, scores.shape[0], start, "select_topk")
     _check(positions is None or positions.shape == scores.shape, "select_topk: positions must have the shape of scores")
-    if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, positions, start):
-        return _kernels().select_topk(scores, pos, k, sink, local, mask, positions, start)
-    return ref.select_topk(scores, pos, k, sink, local, mask, positions, start)
+    _check_mass(mass, scores.is_floating_point(), "select_topk")
+    if scores.is_cuda and _kernels().select_topk_supported(scores, pos, k, sink, local, mask, positions, start, mass):
+        return _kernels().select_topk(scores, pos, k, sink, local, mask, positions, start, mass=mass)
+    return ref.select_topk(scores, pos, k, sink, local, mask, positions, start, mass)
 
 
 @triton_op("sparse_fx::select_nested", mutates_args=())
@@ -220,17 +227,19 @@ def select_nested(scores: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int,
 
 @triton_op("sparse_fx::mass_select", mutates_args=())
 def mass_select(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], mask: Optional[torch.Tensor], positions: torch.Tensor,
-                pos: torch.Tensor, budget: int, sink: int, local: int, start: Optional[torch.Tensor] = None) -> torch.Tensor:
+                pos: torch.Tensor, budget: int, sink: int, local: int, start: Optional[torch.Tensor] = None,
+                mass: float = 1.0) -> torch.Tensor:
     """select_topk of the pool `positions` [B,Hkv,N] by mass_scores (a Prism refined layer), the
-    mass never written out."""
+    mass never written out; mass < 1 trims the choice to that share of the pool's mass."""
     _check_gqa(q, k, "mass_select")
     _check_mask(mask, q, k.shape[2], "mass_select")
     _check_select(pos, budget, sink, local, q.shape[0], start, "mass_select")
     _check(positions.dim() == 3 and positions.shape[:2] == k.shape[:2],
            f"mass_select: positions must be [B, Hkv, N] = [{k.shape[0]}, {k.shape[1]}, N], got {tuple(positions.shape)}")
-    if q.is_cuda and _kernels().mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start):
-        return _kernels().mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start)
-    return ref.mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start)
+    _check_mass(mass, True, "mass_select")
+    if q.is_cuda and _kernels().mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start, mass):
+        return _kernels().mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start, mass=mass)
+    return ref.mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start, mass)
 
 
 @triton_op("sparse_fx::hash_select", mutates_args=())

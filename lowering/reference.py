@@ -330,8 +330,30 @@ def choose(keys: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tie & (((j + 1) * c) >> 32 > (j * c) >> 32))
 
 
+def selection_mass(scores: torch.Tensor) -> torch.Tensor:
+    """float64 masses as a selection ranks them: nonnegative scores truncated to bfloat16 (the value
+    of their `selection_keys`), others 0. Sums of them are what the adaptive budget compares."""
+    bits = torch.bitwise_and(scores.float().view(torch.int32), -65536).view(torch.float32)
+    return torch.where(bits > 0, bits, 0.0).double()  # NaN compares false: 0
+
+
+def trim_to_mass(taken: torch.Tensor, scores: torch.Tensor, eligible: torch.Tensor, p: float) -> torch.Tensor:
+    """The adaptive budget (a plan's mass p < 1): bool [B,Hkv,N], of the `taken` candidates (the
+    fixed budget's choice) the fewest, largest first by `selection_mass`, whose sum reaches p x the
+    sum over every `eligible` candidate; the smallest mass so taken is the threshold and every taken
+    candidate at or above it stays (ties included). All stay when even all fall short (no mass, or a
+    budget too small for p). So the choice never holds a key the fixed budget would not take."""
+    v = torch.where(eligible, selection_mass(scores), 0.0)
+    goal = p * v.sum(-1, keepdim=True)
+    ranked = torch.where(taken, v, 0.0).sort(-1, descending=True).values
+    reach = ranked.cumsum(-1) >= goal
+    reached = reach.any(-1, keepdim=True) & (goal > 0)
+    t = ranked.gather(-1, reach.long().argmax(-1, keepdim=True))  # the first prefix to reach the goal
+    return taken & (~reached | (v >= t))
+
+
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, local: int, mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, start: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, start: torch.Tensor | None = None, mass: float = 1.0) -> torch.Tensor:
     """Choose the cache positions one decode query attends to, per KV head.
 
     scores [B,Hkv,N] (float or int, larger is better) rate candidates: candidate i is cache
@@ -345,7 +367,8 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     Candidates are the readable positions after the sink and before the local window; the k
     best by `selection_keys` are chosen (`choose`: equal keys at the cut spread evenly over the
     tied candidates) and listed in candidate order. A position is never masked, never after
-    pos[-1] and never repeated; -inf and NaN scores are never chosen.
+    pos[-1] and never repeated; -inf and NaN scores are never chosen. With mass < 1 the scores are
+    attention masses and the chosen are trimmed to that share of the candidates' mass (`trim_to_mass`).
     """
     B, Hkv, N = scores.shape
     dev = scores.device
@@ -367,6 +390,8 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
     window = torch.where(window_ok, window, -1)
     kk = min(k, N)
     taken = choose(selection_keys(scores), eligible, k)
+    if mass < 1:
+        taken = trim_to_mass(taken, scores, eligible, mass)
     slot = torch.where(taken, torch.arange(N, device=dev), N).sort(-1).values[..., :kk]  # candidate order; not-taken last
     chosen = torch.where(slot < N, torch.gather(cand, 2, slot.clamp(max=N - 1)), -1)
     if kk < k:
@@ -375,9 +400,11 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, sink: int, loca
 
 
 def mass_select(q: torch.Tensor, k: torch.Tensor, scale: float | None, mask: torch.Tensor | None, positions: torch.Tensor,
-                pos: torch.Tensor, budget: int, sink: int, local: int, start: torch.Tensor | None = None) -> torch.Tensor:
-    """A Prism refined layer's selection: select_topk of the pool `positions` by mass_scores."""
-    return select_topk(mass_scores(q, k, scale, mask, positions), pos, budget, sink, local, mask, positions, start)
+                pos: torch.Tensor, budget: int, sink: int, local: int, start: torch.Tensor | None = None,
+                mass: float = 1.0) -> torch.Tensor:
+    """A Prism refined layer's selection: select_topk of the pool `positions` by mass_scores (with
+    mass < 1, trimmed to that share of the pool's mass)."""
+    return select_topk(mass_scores(q, k, scale, mask, positions), pos, budget, sink, local, mask, positions, start, mass)
 
 
 def select_nested(scores: torch.Tensor, pos: torch.Tensor, k: int, k_inner: int, sink: int, local: int,

@@ -51,10 +51,10 @@ class Plan:
     stay dense under any method; `encoders` is the directory of trained
     signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
 
-    `mass` < 1 makes the budget adaptive: per layer, KV head and step, only the fewest candidates
-    whose attention mass reaches that share of all candidates' mass are kept, at most `budget` of
-    them (1: always `budget`). Shapes stay static: unused slots hold -1. See
-    `sparse_fx.methods.mass_cut`; methods without exact mass (hash, static) refuse it.
+    `mass` < 1 makes the budget adaptive: per layer, KV head and step, of the `budget` best
+    candidates only the fewest whose attention mass reaches that share of all candidates' mass
+    are kept (1: always `budget`). Shapes stay static: unused slots hold -1, at the end. See
+    `sparse_fx.lowering.reference.trim_to_mass`; methods without exact mass (hash, static) refuse it.
     """
 
     method: str = "dense"

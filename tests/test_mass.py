@@ -1,14 +1,17 @@
-"""The adaptive budget (a plan's mass < 1): the mass rule against its contract, written out here
-in exact arithmetic, on random attention; the select kernels over its cut; and decode with it.
+"""The adaptive budget (a plan's mass < 1): the rule against its contract, written out here in
+exact arithmetic, on random attention; the select kernels that apply it; and decode with it.
 
-The contract, per (batch, KV head) row: the candidates are select_topk's (readable, after the
-sink, before the local window, scored); of their masses (non-positive, NaN: none) take the fewest,
-largest first, whose sum reaches p x the row's total, at most k of them; the smallest mass taken is
-the threshold t and every candidate of mass >= t stays (ties at t included). No mass: all stay.
+The contract, per (batch, KV head) row: the fixed budget's choice (select_topk at mass 1) is
+trimmed. Masses count as the selection ranks them (bfloat16-truncated; non-positive, NaN: none);
+the total is over all candidates (readable, after the sink, before the local window, scored). Of
+the chosen, take the fewest, largest first, whose sum reaches p x the total; the smallest mass
+taken is the threshold t and every chosen candidate of mass >= t stays (ties at t included), in
+cache order, -1 after. Short of p x total (or no mass): all chosen stay.
 """
 
 from __future__ import annotations
 
+import struct
 from fractions import Fraction
 
 import pytest
@@ -19,45 +22,50 @@ from transformers import StaticCache
 
 import sparse_fx
 from families import tiny_model
-from opcheck import DEV, MORE, gen, make_mask
+from opcheck import DEV, MORE, SENTINEL, gen, make_mask, poisoned
 from sparse_fx.lowering import reference as ref
-from sparse_fx.methods import mass_cut
 from test_decode import step_through
-from test_op_select import check
+from test_op_select import K
+from test_op_select import contract as select_contract
 
 
-def contract(mass, scores, p, k, pos, sink, local, mask=None, positions=None, start=None) -> torch.Tensor:
-    """[B,Hkv,N] bool: the candidates the mass rule keeps, row by row in exact arithmetic."""
-    B, Hkv, N = scores.shape
-    now = int(pos[-1])
+def bf16_value(m: float) -> Fraction:
+    """A mass as the selection ranks it: float32 truncated to bfloat16, exactly (nonpositive: 0)."""
+    bits = struct.unpack("<i", struct.pack("<f", m))[0] & ~0xFFFF
+    v = struct.unpack("<f", struct.pack("<i", bits))[0]
+    return Fraction(v) if v > 0 else Fraction(0)
+
+
+def contract(mass, p, k, pos, sink, local, mask=None, positions=None, start=None) -> torch.Tensor:
+    """select_topk with mass p, row by row in exact arithmetic: the fixed budget's list (the select
+    contract), its chosen trimmed to the fewest largest masses reaching p x all candidates' mass."""
+    chosen = select_contract(mass, pos, k, sink, local, mask, positions, start)
+    B, Hkv, N = mass.shape
+    W, now = sink + local, int(pos[-1])
     readable = ref.valid_positions(mask, B, Hkv, mask.shape[-1] if mask is not None else N)
-    out = torch.zeros(B, Hkv, N, dtype=torch.bool)
+    out = torch.full_like(chosen, -1)
+    out[..., :W] = chosen[..., :W]
     for b in range(B):
         first = 0 if start is None else int(start[b])
         for h in range(Hkv):
-            cands = []
+            value = {}  # candidate position -> its mass
             for i in range(N):
                 at = i if positions is None else int(positions[b, h, i])
-                s = float(scores[b, h, i])
+                m = float(mass[b, h, i])
                 if at < first + sink or at > now - local or at < 0 or (mask is not None and not readable[b, h, at]):
                     continue
-                if s != s or s == float("-inf"):
-                    continue
-                m = float(mass[b, h, i])
-                cands.append((i, Fraction(m) if m > 0 else Fraction(0)))
-            total = sum(m for _, m in cands)
-            if total == 0:
-                kept = [i for i, _ in cands]
-            else:
-                ranked = sorted((m for _, m in cands), reverse=True)
-                c, run = min(k, len(ranked)), Fraction(0)
-                for n, m in enumerate(ranked[: min(k, len(ranked))], 1):
-                    run += m
-                    if run >= Fraction(str(p)) * total:  # p as written (0.9 is 9/10)
-                        c = n
-                        break
-                kept = [i for i, m in cands if m >= ranked[c - 1]]
-            out[b, h, kept] = True
+                if m == m and m > float("-inf"):
+                    value[at] = bf16_value(m)
+            taken = [int(x) for x in chosen[b, h, W:] if x >= 0]
+            goal = Fraction(str(p)) * sum(value.values())  # p as written (0.9 is 9/10)
+            ranked, run, t = sorted((value[x] for x in taken), reverse=True), Fraction(0), None
+            for v in ranked:
+                run += v
+                if goal > 0 and run >= goal:
+                    t = v
+                    break
+            kept = [x for x in taken if t is None or value[x] >= t]
+            out[b, h, W:W + len(kept)] = torch.tensor(kept, dtype=torch.int32)
     return out
 
 
@@ -81,7 +89,7 @@ def attention(kind: str, B: int, Hkv: int, N: int, g) -> torch.Tensor:
 KINDS = ["mild", "sharp", "ties", "peaked", "flat"]
 
 
-def run_rule(kind, p, k, sink, local, now, mask_kind, pooled, padded, seed, kernels: bool):
+def inputs(kind, k, sink, local, now, mask_kind, pooled, padded, seed):
     g = gen(seed)
     B, Hkv, L = 2, 2, 160
     N = 70 if pooled else L
@@ -96,37 +104,51 @@ def run_rule(kind, p, k, sink, local, now, mask_kind, pooled, padded, seed, kern
     if pooled:
         positions = torch.stack([torch.stack([torch.randperm(L, generator=g)[:N] for _ in range(Hkv)]) for _ in range(B)])
         positions[..., ::7] = -1
-    pos = torch.tensor([now])
-    cut = mass_cut(mass, mass, p, k, pos, sink, local, mask, positions, start)
+    return mass, torch.tensor([now]), mask, positions, start
+
+
+def near_goal(mass, chosen, p, pos, sink, local, mask, positions, start, rel=1e-5) -> torch.Tensor:
+    """[B,Hkv] bool: rows where a prefix of the chosen masses (largest first) lies within `rel` of
+    the total of p x total, so that float32 sums (the kernels') and float64 ones may cut apart."""
     _, eligible = ref.candidates(mass, pos, sink, local, mask, positions, start)
-    want = contract(mass, mass, p, k, pos, sink, local, mask, positions, start)
-    kept = eligible & (cut > float("-inf"))
-    assert torch.equal(kept, want), f"rule != contract at {(kept != want).nonzero()[:5].tolist()}"
-    assert torch.equal(cut[kept], mass[kept]), "kept candidates keep their scores"
-    if kernels:  # kernels == reference == select contract over the cut scores
-        chosen = check(cut.to(DEV), pos.to(DEV), k, sink, local, None if mask is None else mask.to(DEV),
-                       None if positions is None else positions.to(DEV), None if start is None else start.to(DEV))
-    else:
-        chosen = ref.select_topk(cut, pos, k, sink, local, mask, positions, start)
-    window = sink + local
-    picked = chosen[..., window:]
-    n_kept = kept.sum(-1)
-    assert torch.equal((picked >= 0).sum(-1), n_kept.clamp(max=k)), "the select takes min(k, kept)"
-    at = torch.arange(N).expand(B, Hkv, N) if positions is None else positions
-    for b in range(B):
-        for h in range(Hkv):
-            assert set(picked[b, h][picked[b, h] >= 0].tolist()) <= set(at[b, h][kept[b, h]].tolist())
-    return n_kept, eligible.sum(-1)
+    v = torch.where(eligible, ref.selection_mass(mass), 0.0)
+    total = v.sum(-1, keepdim=True)
+    at = torch.arange(mass.shape[-1]).expand_as(mass) if positions is None else positions.long()
+    picked = chosen[..., sink + local:].long()
+    hit = (at[..., None, :] == picked[..., :, None]) & (picked[..., :, None] >= 0)  # [B,Hkv,K,N]
+    run = (hit.double() * v[..., None, :]).sum(-1).sort(-1, descending=True).values.cumsum(-1)
+    return ((run - p * total).abs() <= rel * total).any(-1)
+
+
+def run_rule(kind, p, k, sink, local, now, mask_kind, pooled, padded, seed, kernels: bool):
+    mass, pos, mask, positions, start = inputs(kind, k, sink, local, now, mask_kind, pooled, padded, seed)
+    want = ref.select_topk(mass, pos, k, sink, local, mask, positions, start, p)
+    assert torch.equal(want, contract(mass, p, k, pos, sink, local, mask, positions, start)), "reference != contract"
+    fixed = ref.select_topk(mass, pos, k, sink, local, mask, positions, start)
+    W = sink + local
+    assert torch.equal(want[..., :W], fixed[..., :W]), "the window always stays"
+    for row, full in zip(want[..., W:].flatten(0, 1), fixed[..., W:].flatten(0, 1)):
+        assert set(row[row >= 0].tolist()) <= set(full[full >= 0].tolist()), "a key the fixed budget would not take"
+    if kernels:
+        dev = [None if t is None else t.to(DEV) for t in (mass, pos, mask, positions, start)]
+        with poisoned():
+            got = K.select_topk(dev[0], dev[1], k, sink, local, *dev[2:], mass=p, block=64, waves=64).cpu()
+        assert (got != SENTINEL).all(), "an output slot was never written"
+        ok = (got == want).all(-1) | near_goal(mass, want, p, pos, sink, local, mask, positions, start)
+        assert ok.all(), f"kernel != reference in rows {(~ok).nonzero().tolist()}"
+    return (want[..., W:] >= 0).sum(-1), (fixed[..., W:] >= 0).sum(-1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("p", [0.5, 0.75, 0.9])
-def test_mass_rule_equals_the_contract_and_the_kernels_select_its_cut(kind, p):
-    n_kept, n_cand = run_rule(kind, p, 40, 3, 8, 150, "bool", kind in ("mild", "ties"), kind == "sharp", KINDS.index(kind),
-                              kernels=True)
-    assert (n_kept <= n_cand).all() and (n_kept[n_cand > 0] >= 1).all()
+def test_mass_rule_equals_the_contract_and_the_kernel(kind, p):
+    n_kept, n_fixed = run_rule(kind, p, 40, 3, 8, 150, "bool", kind in ("mild", "ties"), kind == "sharp", KINDS.index(kind),
+                               kernels=True)
+    assert (n_kept <= n_fixed).all() and (n_kept[n_fixed > 0] >= 1).all()
     if kind == "flat":
-        assert (n_kept == n_cand).all(), "flat rows: every candidate, ties at the threshold included"
+        assert torch.equal(n_kept, n_fixed), "flat rows: ties at the threshold all stay"
+    if kind == "peaked":  # (in a row whose peak is a candidate: not masked, not in the window)
+        assert (n_kept == 1).any(), "one candidate holds the mass: it alone stays"
 
 
 @MORE
@@ -138,19 +160,43 @@ def test_mass_rule_property(kind, p, k, sink, local, now, mask_kind, pooled, pad
     run_rule(kind, p, k, sink, local, now, mask_kind, pooled, padded, seed, kernels=False)
 
 
+@given(kind=st.sampled_from(KINDS), k=st.integers(1, 120), seed=st.integers(0, 2**16))
+def test_a_larger_share_keeps_a_superset(kind, k, seed):
+    mass, pos, mask, positions, start = inputs(kind, k, 2, 4, 150, "bool", False, False, seed)
+    lists = [ref.select_topk(mass, pos, k, 2, 4, mask, positions, start, p)[..., 6:] for p in (0.3, 0.6, 0.9, 1.0)]
+    for small, large in zip(lists, lists[1:]):
+        for a, b in zip(small.flatten(0, 1), large.flatten(0, 1)):
+            assert set(a[a >= 0].tolist()) <= set(b[b >= 0].tolist())
+
+
 def test_one_candidate_the_cap_and_a_row_without_candidates():
     """p reached by one candidate: it alone; only past k candidates: the k largest; no candidate:
-    nothing, and no error."""
+    nothing, and no error. Kept candidates come first, in cache order, -1 after."""
     pos = torch.tensor([4])
     peak = torch.tensor([[[0.01, 0.9, 0.02, 0.01, 0.5]]])  # 0.9 of 0.94 >= 0.95 x 0.94 (position 4: local)
-    assert (mass_cut(peak, peak, 0.95, 3, pos, 0, 1) > float("-inf")).tolist() == [[[False, True, False, False, False]]]
+    assert ref.select_topk(peak, pos, 3, 0, 1, mass=0.95).tolist() == [[[4, 1, -1, -1]]]
     mass = torch.tensor([[[0.3, 0.25, 0.2, 0.15, 0.1]]])
-    cut = mass_cut(mass, mass, 0.99, 2, pos, 0, 1)  # local window: position 4
-    assert (cut > float("-inf")).tolist() == [[[True, True, False, False, False]]]
-    cut = mass_cut(mass, mass, 0.5, 3, pos, 0, 1)  # 0.3 + 0.25 = 0.55 of 0.9 total: 0.61 >= 0.5
-    assert (cut > float("-inf")).tolist() == [[[True, True, False, False, False]]]
-    cut = mass_cut(mass, mass, 0.5, 3, torch.tensor([0]), 0, 1)
-    assert ref.select_topk(cut, torch.tensor([0]), 3, 0, 1)[..., 1:].eq(-1).all()
+    assert ref.select_topk(mass, pos, 2, 0, 1, mass=0.99).tolist() == [[[4, 0, 1]]]  # the cap
+    assert ref.select_topk(mass, pos, 3, 0, 1, mass=0.5).tolist() == [[[4, 0, 1, -1]]]  # 0.55 of 0.9: 0.61 >= 0.5
+    assert ref.select_topk(mass, torch.tensor([0]), 3, 0, 1, mass=0.5).tolist() == [[[0, -1, -1, -1]]]
+
+
+def test_mass_select_kernel_trims_the_pool_as_the_reference():
+    """The fused path of a refined layer (logits, mass keys, select, trim) against the reference."""
+    g = gen(11)
+    q, k = torch.randn(2, 8, 1, 64, generator=g) * 2, torch.randn(2, 2, 200, 64, generator=g)
+    positions = torch.stack([torch.stack([torch.randperm(180, generator=g)[:90] for _ in range(2)]) for _ in range(2)])
+    positions[..., ::9] = -1
+    pos, mask = torch.tensor([199]), make_mask("bool", 2, 8, 200, g, now=199).cpu()
+    for p in (0.3, 0.8):
+        want = ref.mass_select(q, k, None, mask, positions, pos, 40, 2, 4, None, p)
+        with poisoned():
+            got = K.mass_select(*(t.to(DEV) for t in (q, k)), None, mask.to(DEV), positions.to(DEV), pos.to(DEV), 40, 2, 4,
+                                mass=p, block=64, waves=64).cpu()
+        m = ref.mass_scores(q, k, None, mask, positions)
+        ok = (got == want).all(-1) | near_goal(m, want, p, pos, 2, 4, mask, positions, None)
+        assert ok.all(), f"p={p}: kernel != reference in rows {(~ok).nonzero().tolist()}"
+        assert (want[..., 6:] >= 0).sum(-1).lt(40).any(), "the trim never cut: the test shows nothing"
 
 
 # ------------------------------------------------------------------------------------ decode

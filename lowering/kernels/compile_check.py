@@ -95,6 +95,7 @@ def compile_launch(kernel, args, kwargs, arch: int = 90):
 def _scenarios():
     """Launcher calls covering every constexpr path the ops take at real shapes (CPU tensors)."""
     from .. import kernels as K
+    from .select import TRIM_MAX
 
 
     B, Hkv, G, L, D = 1, 8, 4, 8192, 128
@@ -119,6 +120,8 @@ def _scenarios():
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)
+    pool16k = torch.zeros(B, Hkv, 4 * TRIM_MAX, dtype=torch.int64)
+    yield "mass_select trimmed", lambda: K.mass_select(q, k, None, mask_f, pool16k, pos, TRIM_MAX, 128, 128, mass=0.9)
     yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
     yield "select_topk int16 pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.int16), pos, 1024, 128, 128,
                                                         mask_b, pool)

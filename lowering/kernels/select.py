@@ -20,6 +20,12 @@ query (pos[-1]) minus the local window: slots beyond, written or not, are never 
 
 Program 0 of each row also writes the sink / local window and the -1 padding.
 
+Adaptive budget (`mass` < 1, float scores that are attention masses; reference.trim_to_mass):
+the key pass also sums each chunk's masses (the bfloat16 values of its keys), the select pass
+writes the key of every candidate it takes beside it, and one program per row trims the list:
+a 15-step bisection over the key space finds the largest key whose taken candidates at or above
+it hold p of the row's mass, then the kept candidates are compacted in their order, -1 after.
+
 Nested (`select_nested`, Prism's proposal: a pool of the best k and the best k_inner within it):
 the inner selection is the best k_inner of the pool by the same keys, so the key pass and its
 level-0 counts serve both; the deeper levels count twice (each its own prefix, into a second
@@ -40,6 +46,7 @@ from .common import (
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
+TRIM_MAX = 16384  # the longest list one program trims to a mass (held in registers)
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
 WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
 WIN_BLOCK = tl.constexpr(256)
@@ -59,6 +66,12 @@ def float_key16(s):
     """16-bit key of float32 scores: the top half of their order-preserving int32 image."""
     bits = s.to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, (bits >> 16) + 32768, (~bits) >> 16)
+
+
+@triton.jit
+def key_mass(key):
+    """The bfloat16-truncated value of a nonnegative float score from its float_key16 (0 below)."""
+    return tl.where(key > 32768, ((key - 32768) << 16).to(tl.float32, bitcast=True), 0.0)
 
 
 @triton.jit
@@ -111,9 +124,9 @@ def descend(cum_ptr, deep_ptr, r, p, R, PROGS, K, DONE: tl.constexpr, LB: tl.con
 @triton.jit
 def _score_keys_block(
     scores_row, pos_row, mask_b, keys_row, h, offs, lo_c, hi_c, first, now, sink, local, N, L, min_half,
-    ssn, spn, smh, sml, c0, c1, c2, c3, top, inv,
+    ssn, spn, smh, sml, c0, c1, c2, c3, top, inv, msum,
     HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
-    KIND: tl.constexpr, LB: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    KIND: tl.constexpr, LB: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, TRIM: tl.constexpr,
 ):
     # Loads and the store cover the row's whole blocks (offs < N: in bounds, and a mask Triton can
     # vectorise), values outside [lo_c, hi_c) are masked: a block belongs to one program only.
@@ -139,12 +152,15 @@ def _score_keys_block(
         key = tl.maximum(tl.load(scores_row + offs * ssn, mask=row, other=0).to(tl.int32) + 32768, 1)
     key = tl.where(elig, key, 0)
     tl.store(keys_row + offs, key.to(keys_row.dtype.element_ty), mask=row)
-    return count(c0, c1, c2, c3, key >> (16 - LB), elig, 1 << LB)
+    if TRIM:  # the chunk's mass, as the selection ranks it
+        msum += tl.sum(key_mass(key), axis=0)
+    c0, c1, c2, c3 = count(c0, c1, c2, c3, key >> (16 - LB), elig, 1 << LB)
+    return c0, c1, c2, c3, msum
 
 
 @triton.jit
 def _score_keys_kernel(
-    scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr, pm_ptr, pl_ptr,
+    scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr, pm_ptr, pl_ptr, tot_ptr,
     Hkv, N, L, sink, local, min_half, PROGS, NSPLIT,
     ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
     BLOCK: tl.constexpr,
@@ -156,6 +172,7 @@ def _score_keys_kernel(
     KIND: tl.constexpr,  # 0 float scores (bf16-rounded keys), 1 uint8, 2 int8, 3 int16 (wide Hamming sums),
                          # 4 mass_scores from its logits scratch [R, G, N] and split statistics pm / pl (NSPLIT a row)
     G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,  # KIND 4: query heads per row, splits padded
+    TRIM: tl.constexpr,  # adaptive budget: also write the chunk's mass to tot_ptr [R, PROGS]
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
 ):
     p, r = tl.program_id(0), tl.program_id(1)
@@ -174,19 +191,24 @@ def _score_keys_kernel(
         top = tl.zeros([G_PAD], tl.float32)
         inv = top
     c0, c1, c2, c3 = counts_zero(BLOCK, 1 << LB)
+    msum = tl.zeros([], tl.float32)
     if USE_FOR:
         for i in tl.range(blk, end):
-            c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first,
-                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3, top, inv,
-                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB, G, G_PAD)
+            c0, c1, c2, c3, msum = _score_keys_block(
+                scores_row, pos_row, mask_b, keys_row, h, i * BLOCK + base, lo_c, hi_c, first, now, sink, local, N, L, min_half,
+                ssn, spn, smh, sml, c0, c1, c2, c3, top, inv, msum,
+                HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB, G, G_PAD, TRIM)
     else:
         while blk < end:
-            c0, c1, c2, c3 = _score_keys_block(scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first,
-                                               now, sink, local, N, L, min_half, ssn, spn, smh, sml, c0, c1, c2, c3, top, inv,
-                                               HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB, G, G_PAD)
+            c0, c1, c2, c3, msum = _score_keys_block(
+                scores_row, pos_row, mask_b, keys_row, h, blk * BLOCK + base, lo_c, hi_c, first, now, sink, local, N, L,
+                min_half, ssn, spn, smh, sml, c0, c1, c2, c3, top, inv, msum,
+                HAS_POS, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, LB, G, G_PAD, TRIM)
             blk += 1
     acc = counts_total(c0, c1, c2, c3, 1 << LB)
     tl.store(cum_ptr + (r * PROGS + p) * (1 << LB) + tl.arange(0, 1 << LB), tl.cumsum(acc, 0, reverse=True))
+    if TRIM:
+        tl.store(tot_ptr + r * PROGS + p, msum)
 
 
 # ------------------------------------------------------------------------------ deeper levels
@@ -289,9 +311,10 @@ def _tie_rank(j, c):
 
 
 @triton.jit
-def _take(above, tie, cand, out_row, sok, c, a_run, t_run):
+def _take(above, tie, cand, out_row, sok, c, a_run, t_run, key, key_row, KEYS: tl.constexpr):
     """Write the taken candidates of one block at their ranks: all `above`, and the ties that the
-    spread rule takes (`_tie_rank`). Returns the updated running counts and which ties were taken."""
+    spread rule takes (`_tie_rank`); KEYS: their keys too, at the same ranks of `key_row`. Returns
+    the updated running counts and which ties were taken."""
     packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both counts
     ex = tl.cumsum(packed, 0) - packed
     a_ex = a_run + (ex & 0xFFFF)
@@ -299,13 +322,16 @@ def _take(above, tie, cand, out_row, sok, c, a_run, t_run):
     ranked, next_taken = _tie_rank(t_ex, c)
     tie_taken = tie & next_taken
     tl.store(out_row + (a_ex + ranked).to(tl.int64) * sok, cand.to(tl.int32), mask=above | tie_taken)
+    if KEYS:
+        tl.store(key_row + a_ex + ranked, key.to(key_row.dtype.element_ty), mask=above | tie_taken)
     total = tl.sum(packed, 0)
     return a_run + (total & 0xFFFF), t_run + (total >> 16), tie_taken
 
 
 @triton.jit
 def _take_block(keys_row, pos_row, offs, N, spn, out_row, sok, thr, c, a_run, t_run,
-                in_row, sik, thr_in, c_in, pooled, a_in, t_in, HAS_POS: tl.constexpr, NESTED: tl.constexpr):
+                in_row, sik, thr_in, c_in, pooled, a_in, t_in, ckey_row,
+                HAS_POS: tl.constexpr, NESTED: tl.constexpr, TRIM: tl.constexpr):
     """One block of the select pass: its keys read once, taken into the list (and the inner list).
     The key pass wrote 0 ("not a candidate") outside the chunk's range [lo_c, hi_c) and for the
     ineligible, so key > 0 is the whole test. (The positions of a pool are read here but feed only
@@ -318,10 +344,10 @@ def _take_block(keys_row, pos_row, offs, N, spn, out_row, sok, thr, c, a_run, t_
         cand = tl.load(pos_row + offs * spn, mask=key > 0, other=-1)
     else:
         cand = offs
-    a_run, t_run, tie_taken = _take(key > thr, key == thr, cand, out_row, sok, c, a_run, t_run)
+    a_run, t_run, tie_taken = _take(key > thr, key == thr, cand, out_row, sok, c, a_run, t_run, key, ckey_row, TRIM)
     if NESTED:
         tie_in = tl.where(pooled, tie_taken, key == thr_in)
-        a_in, t_in, _ = _take(key > thr_in, tie_in, cand, in_row, sik, c_in, a_in, t_in)
+        a_in, t_in, _ = _take(key > thr_in, tie_in, cand, in_row, sik, c_in, a_in, t_in, key, ckey_row, False)
     return a_run, t_run, a_in, t_in
 
 
@@ -348,7 +374,7 @@ def _pad(out_row, sok, need, K):
 
 @triton.jit
 def _select_kernel(
-    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, inner_ptr,
+    tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, inner_ptr, ckey_ptr,
     Hkv, N, L, sink, local, K, K_IN, min_half, PROGS,
     spb, sph, spn, smb, smh, sml, sob, soh, sok, sib, sih, sik,
     BLOCK: tl.constexpr, P_PAD: tl.constexpr,
@@ -356,6 +382,7 @@ def _select_kernel(
     HAS_POS: tl.constexpr, HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     MASK_HEADS: tl.constexpr,
     NESTED: tl.constexpr,  # also write the inner selection (top K_IN) to inner_ptr
+    TRIM: tl.constexpr,  # also write each taken candidate's key to ckey_ptr [R, K] (for _trim_kernel)
     USE_FOR: tl.constexpr,
 ):
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -363,6 +390,7 @@ def _select_kernel(
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     lo_c, hi_c, blk, end = row_chunk(now, first, p, N, sink, local, PROGS, BLOCK, HAS_POS)
+    ckey_row = ckey_ptr + r.to(tl.int64) * K
     kth, need, thr, c, a_run, t_run, above, ties = _threshold_of(cum_ptr, cum_ptr, r, p, R, PROGS, K, LEVELS, LB, P_PAD)
     thr_in, c_in, a_in, t_in = thr, c, a_run, t_run
     pooled = False
@@ -389,14 +417,14 @@ def _select_kernel(
         for jb in tl.range(blk, end):
             a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, jb * BLOCK + base, N, spn, out_row, sok,
                                                    thr, c, a_run, t_run, in_row, sik, thr_in, c_in, pooled,
-                                                   a_in, t_in,
-                                                   HAS_POS, NESTED)
+                                                   a_in, t_in, ckey_row,
+                                                   HAS_POS, NESTED, TRIM)
     else:
         while blk < end:
             a_run, t_run, a_in, t_in = _take_block(keys_row, pos_row, blk * BLOCK + base, N, spn, out_row, sok,
                                                    thr, c, a_run, t_run, in_row, sik, thr_in, c_in, pooled,
-                                                   a_in, t_in,
-                                                   HAS_POS, NESTED)
+                                                   a_in, t_in, ckey_row,
+                                                   HAS_POS, NESTED, TRIM)
             blk += 1
 
     if p == 0:  # the window (reference order: sink, then now-local+1 .. now) and the padding
@@ -421,6 +449,43 @@ def _select_kernel(
             _pad(in_row, sik, need_in, K_IN)
 
 
+# ------------------------------------------------------------------------------ adaptive budget
+@triton.jit
+def _trim_kernel(
+    sel_ptr, ckey_ptr, tot_ptr, out_ptr, p, Hkv, WIN, K, PROGS,
+    sob, soh, sok,
+    K_PAD: tl.constexpr, W_PAD: tl.constexpr, P_PAD: tl.constexpr,
+):
+    """One row of a selection trimmed to p of its candidates' mass (reference.trim_to_mass): sel
+    [B,Hkv,WIN+K] the select pass's list, ckey [R,K] the keys it took, tot [R,PROGS] the key
+    pass's chunk masses; writes out (sel's shape and strides)."""
+    r = tl.program_id(0)
+    b, h = row_of(r, Hkv)
+    sel_row = sel_ptr + b * sob + h * soh
+    out_row = out_ptr + b * sob + h * soh
+    w = tl.arange(0, W_PAD)
+    tl.store(out_row + w * sok, tl.load(sel_row + w * sok, mask=w < WIN), mask=w < WIN)
+    pp = tl.arange(0, P_PAD)
+    goal = p * tl.sum(tl.load(tot_ptr + r * PROGS + pp, mask=pp < PROGS, other=0.0), axis=0)
+    j = tl.arange(0, K_PAD)
+    cand = tl.load(sel_row + (WIN + j) * sok, mask=j < K, other=-1)
+    key = tl.load(ckey_ptr + r.to(tl.int64) * K + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF
+    v = key_mass(key)
+    reached = (tl.sum(v, axis=0) >= goal) & (goal > 0)
+    # the largest key t whose taken candidates at or above it hold the goal (a monotone predicate:
+    # set its bits from the top); key 32768 is mass 0
+    t = tl.full([], 32768, tl.int32)
+    for bit in tl.static_range(15):
+        trial = t | (1 << (14 - bit))
+        t = tl.where(tl.sum(tl.where(key >= trial, v, 0.0), axis=0) >= goal, trial, t)
+    keep = (cand >= 0) & (key >= tl.where(reached, t, 0))  # short of the goal: all stay
+    ones = keep.to(tl.int32)
+    slot = tl.cumsum(ones, 0) - ones
+    kept = tl.sum(ones, axis=0)
+    tl.store(out_row + (WIN + slot) * sok, cand, mask=keep)
+    tl.store(out_row + (WIN + j) * sok, tl.full([K_PAD], -1, tl.int32), mask=(j < K) & (j >= kept))
+
+
 # ------------------------------------------------------------------------------ launchers
 def _is_index(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and t.dtype != torch.bool
@@ -438,9 +503,10 @@ def _selection_supported(pos, k, sink, local, mask, start, batch: int, n: int) -
     )
 
 
-def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None, start=None) -> bool:
+def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None, start=None, mass=1.0) -> bool:
     return (
         on_kernel_device(scores, pos, mask, positions, start)
+        and (mass == 1 or (scores.is_floating_point() and k <= TRIM_MAX))
         and scores.dim() == 3
         and scores.dtype in SCORE_KIND
         and (positions is None or (positions.shape == scores.shape and _is_index(positions)
@@ -467,10 +533,11 @@ def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, 
 
 
 def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps,
-               inner=None):
+               inner=None, ckeys=None):
     """The deeper histogram levels and the select pass over the keys (and level-0 counts in
     `cum`) a key pass wrote, with the same `block` and `progs`: every pass cuts the same chunks.
-    inner: (k_inner, its output) for a nested selection (`cum` then holds a second set of levels)."""
+    inner: (k_inner, its output) for a nested selection (`cum` then holds a second set of levels).
+    ckeys [R, k]: where the select pass writes the keys it takes (for the trim)."""
     B, Hkv, _ = out.shape
     R, N = keys.shape
     has_pos, has_start = positions is not None, start is not None
@@ -486,10 +553,10 @@ def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, o
         torch.library.wrap_triton(_hist_kernel)[(progs, R)](
             pos, start_t, keys, cum, Hkv, N, sink, local, k, k_in, progs, LEVEL=level, KEY_BITS=key_bits, **common)
     torch.library.wrap_triton(_select_kernel)[(progs, R)](
-        pos, start_t, pos_t, ma.tensor, keys, cum, out, out_in,
+        pos, start_t, pos_t, ma.tensor, keys, cum, out, out_in, keys if ckeys is None else ckeys,
         Hkv, N, L, sink, local, k, k_in, ma.min_half, progs,
         *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
-        LEVELS=levels, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, **common)
+        LEVELS=levels, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, TRIM=ckeys is not None, **common)
     return out
 
 
@@ -498,20 +565,22 @@ def _counts(levels: int, R: int, progs: int, lb: int, nested: bool, dev) -> torc
     return torch.empty((2 if nested else 1) * levels, R, progs, 1 << lb, dtype=torch.int32, device=dev)
 
 
-def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, block=BLOCK, warps=4,
+def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, mass=1.0, block=BLOCK, warps=4,
                 waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None):
-    """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded.
-    With k_inner (reference.select_nested): that list and the one of the best k_inner, both from
-    one pass over the scores. block / warps / waves (programs per SM) / level_bits / cap (programs
-    per row) are tuning knobs (bench/kernel_tuning.py)."""
+    """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded
+    (mass < 1: trimmed to that share of the mass). With k_inner (reference.select_nested): that
+    list and the one of the best k_inner, both from one pass over the scores. block / warps /
+    waves (programs per SM) / level_bits / cap (programs per row) are tuning knobs
+    (bench/kernel_tuning.py)."""
     B, Hkv, N = scores.shape
     return _select(scores, scores.stride(), SCORE_KIND[scores.dtype], None, B, Hkv, N, pos, k, sink, local, mask, positions,
-                   start, block, warps, waves, level_bits, cap, k_inner)
+                   start, block, warps, waves, level_bits, cap, k_inner, mass)
 
 
-def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start=None) -> bool:
+def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start=None, mass=1.0) -> bool:
     return (
         positions is not None
+        and (mass == 1 or budget <= TRIM_MAX)
         and mass_scores_supported(q, k, scale, mask, positions)
         and on_kernel_device(pos, start)
         and positions.shape[-1] * abs(positions.stride(-1)) < 2**31
@@ -519,25 +588,27 @@ def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local
     )
 
 
-def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, block=BLOCK, warps=4, waves=WAVES,
-                level_bits=LEVEL_BITS, cap=None):
+def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, block=BLOCK, warps=4,
+                waves=WAVES, level_bits=LEVEL_BITS, cap=None):
     """reference.mass_select: select_topk of the pool `positions` by mass_scores, the key pass
     computing each candidate's mass from the logits stage's scratch (no mass written or read)."""
     B, Hkv, N = positions.shape
     if B * Hkv * N == 0:  # no logits to take (an empty pool still has its window)
         empty = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         return _select(empty, empty.stride(), SCORE_KIND[empty.dtype], None, B, Hkv, N, pos, budget, sink, local, mask,
-                       positions, start, block, warps, waves, level_bits, cap, None)
+                       positions, start, block, warps, waves, level_bits, cap, None, mass)
     lg = mass_logits(q, k, scale, mask, positions)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
-                   start, block, warps, waves, level_bits, cap, None)
+                   start, block, warps, waves, level_bits, cap, None, mass)
 
 
 def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask, positions, start, block, warps, waves,
-            level_bits, cap, k_inner):
-    """The key pass over scores (or, kind 4, over mass from `logits`, what mass_logits left), then run_select."""
+            level_bits, cap, k_inner, mass=1.0):
+    """The key pass over scores (or, kind 4, over mass from `logits`, what mass_logits left), then
+    run_select (and, mass < 1, the trim)."""
     R = B * Hkv
     dev = scores.device
+    trim = mass < 1
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
@@ -555,18 +626,29 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
         pm, pl, splits, G, G_PAD = scores, scores, 1, 1, 1
     else:
         pm, pl, splits, G, G_PAD = logits.pm, logits.pl, logits.splits, logits.G, logits.G_PAD
+    tot = torch.empty(R, progs, dtype=torch.float32, device=dev) if trim else pm
     torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
-        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum, pm, pl,
+        scores, pos_t, pos, start if has_start else pos, ma.tensor, keys, cum, pm, pl, tot,
         Hkv, N, L, sink, local, ma.min_half, progs, splits,
         *strides, *sp, ma.sb, ma.sh, ma.sl,
         BLOCK=block, LB=level_bits, HAS_POS=has_pos, HAS_START=has_start, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool,
-        MASK_HEADS=ma.heads, KIND=kind, G=G, G_PAD=G_PAD, S_PAD=pow2(splits),
+        MASK_HEADS=ma.heads, KIND=kind, G=G, G_PAD=G_PAD, S_PAD=pow2(splits), TRIM=trim,
         USE_FOR=not interpreting(),
         num_warps=warps,
     )
-    run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
-               None if k_inner is None else (k_inner, out_in))
-    return out if k_inner is None else (out, out_in)
+    if not trim:
+        run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
+                   None if k_inner is None else (k_inner, out_in))
+        return out if k_inner is None else (out, out_in)
+    chosen = torch.empty_like(out)
+    ckeys = torch.empty(R, k, dtype=torch.int16, device=dev)
+    run_select(keys, cum, pos, k, sink, local, ma, positions, start, chosen, progs, 16, level_bits, block, warps, ckeys=ckeys)
+    torch.library.wrap_triton(_trim_kernel)[(R,)](
+        chosen, ckeys, tot, out, mass, Hkv, sink + local, k, progs, *out.stride(),
+        K_PAD=pow2(k), W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs),
+        num_warps=8,
+    )
+    return out
 
 
 def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start=None) -> bool:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
-from ..lowering.reference import candidates
 
 if TYPE_CHECKING:
     from ..compiled import CompiledState
@@ -130,37 +129,18 @@ class Method:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- shared steps
-    def topk(self, emit, state: CompiledState, site: Site, scores, k: int, positions=None, mass=None):
-        """The plan's selection over `scores`: sink + local window + the best `k` candidates; with
-        `mass` (the candidates' estimated attention mass) and a plan's mass < 1, only those of
-        them that `mass_cut` keeps."""
+    def topk(self, emit, state: CompiledState, site: Site, scores, k: int, positions=None, mass: bool = False):
+        """The plan's selection over `scores`: sink + local window + the best `k` candidates; when
+        the scores are attention masses (`mass`) and the plan's mass is < 1, only the fewest of
+        those holding that share of the candidates' mass (`reference.trim_to_mass`)."""
         p = state.plan
-        if mass is not None and p.mass < 1:
-            scores = emit.call(mass_cut, scores, mass, p.mass, k, site.pos, p.sink, p.local, site.mask, positions, site.start)
-        return emit.call(OPS.select_topk.default, scores, site.pos, k, p.sink, p.local, site.mask, positions, site.start)
+        share = p.mass if mass else 1.0
+        return emit.call(OPS.select_topk.default, scores, site.pos, k, p.sink, p.local, site.mask, positions, site.start, share)
 
     @staticmethod
     def mass_note(plan: Plan) -> str:
         """explain's budget-column note for a selection under the plan's mass ("" at mass 1)."""
         return f", mass {plan.mass!r}" if plan.mass < 1 else ""
-
-
-def mass_cut(scores, mass, p: float, k: int, pos, sink: int, local: int, mask=None, positions=None, start=None):
-    """`scores` [B,Hkv,N] float with -inf (never selected) on the candidates outside the adaptive
-    budget: per row (batch, KV head), the fewest candidates whose `mass` (>= 0, any scale) reaches
-    p of the row's total, at most k of them.
-
-    Candidates are `select_topk`'s (same arguments): the always-kept sink and local window are
-    none, and their mass counts neither in the total nor towards p. The rule: the c-th largest
-    mass t, with c the smallest count whose cumulative mass (float64) reaches p x total, capped at
-    k; candidates of mass >= t stay, so ties at t all stay and the select caps them at k. A row of
-    no mass keeps its budget. Static shapes and no host sync: it traces into the decode graph."""
-    _, eligible = candidates(scores, pos, sink, local, mask, positions, start)
-    m = torch.where(eligible & (mass > 0), mass, 0.0)  # NaN and -inf: no mass
-    top = torch.topk(m, min(k, m.shape[-1]), dim=-1).values.double()
-    short = top.cumsum(-1) < p * m.double().sum(-1, keepdim=True)  # prefixes not yet at p
-    c = short.sum(-1, keepdim=True).clamp(max=top.shape[-1] - 1)  # index of the last one needed
-    return scores.masked_fill(m < top.gather(-1, c).float(), float("-inf"))
 
 
 class Dense(Method):

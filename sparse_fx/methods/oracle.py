@@ -12,7 +12,7 @@ class Oracle(Method):
 
     def select(self, emit, state, site):
         scores = emit.call(OPS.mass_scores.default, site.q, site.k, site.scale, site.mask)
-        idx = self.topk(emit, state, site, scores, state.plan.budget, mass=scores)
+        idx = self.topk(emit, state, site, scores, state.plan.budget, mass=True)
         return Selection(idx, note=self.mass_note(state.plan))
 
 

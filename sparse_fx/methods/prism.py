@@ -3,7 +3,7 @@ candidates; the refined layers after them re-score only that pool with their own
 With `proposal="hash"` (plan name suffix `-hash`) proposal layers score with HashAttention's
 32-bit signatures instead (4 bytes a key against INT2's 48 at head dim 128), beyond both papers.
 
-Under a plan's mass < 1 (`sparse_fx.methods.mass_cut`) refined layers cut their budget by the
+Under a plan's mass < 1 (`reference.trim_to_mass`) refined layers trim their budget by the
 exact attention mass over the pool; proposal layers keep the full budget. They have no exact mass:
 Hamming similarity is no logit, and a softmax over INT2 scores was measured overconfident (twice
 the exact top token's share; its cut kept 0.66 of the exact pool mass where the fixed budget keeps
@@ -204,12 +204,9 @@ class Prism(Method):
         """Re-score the proposal's pool with this layer's exact keys (static: reuse its choice)."""
         if not self.refine:
             return proposal_idx
-        p = state.plan
-        if p.mass == 1:  # the mass of the pool ranked as it is computed (mass_select), never written out
-            return emit.call(OPS.mass_select.default, site.q, site.k, site.scale, site.mask, pool, site.pos, p.budget,
-                             p.sink, p.local, site.start)
-        scores = emit.call(OPS.mass_scores.default, site.q, site.k, site.scale, site.mask, pool)
-        return self.topk(emit, state, site, scores, p.budget, pool, mass=scores)
+        p = state.plan  # the mass of the pool ranked as it is computed (mass_select), never written out
+        return emit.call(OPS.mass_select.default, site.q, site.k, site.scale, site.mask, pool, site.pos, p.budget,
+                         p.sink, p.local, site.start, p.mass)
 
 
 class Static(Prism):
