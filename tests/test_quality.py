@@ -141,9 +141,11 @@ def test_one_pass_teacher_forcing_equals_the_harness(smollm2, request, plan, spa
     boundary of `selection_keys` (INT2 scores often are) can swap one key at a pool's or budget's edge.
     Measured (2026-11-30, 7 plans x sparsity 4 and 8): |CE diff| <= 1.5e-6 with no swap; the one plan
     with swaps (the calibrated plan file at 1/8: 2 swaps in 960 layer x position selections, cascading
-    to 11) gave 2.4e-5, kept and agreement still equal. Plan errors move CE far more with agreement
-    unchanged: one sink or local token fewer, a pool 3 larger (prism-g4, 1/8), mass 0.905 for 0.9:
-    8e-4 to 5e-3 (the earlier 2e-3 let two of those pass)."""
+    to 11) gave 2.4e-5, kept and agreement still equal; the rounding is the CPU's (GEMM blocking), and
+    on another Xeon (2026-12-01) prism-g4-hash at 1/8, whose LSH signs can flip on a projection near
+    zero, gave 1.2e-4 with agreement equal. Plan errors move CE far more with agreement unchanged: one
+    sink or local token fewer, a pool 3 larger (prism-g4, 1/8), mass 0.905 for 0.9: 8e-4 to 5e-3 (the
+    earlier 2e-3 let two of those pass), so 4e-4 keeps a factor 2 to the smallest of them."""
     rows = request.getfixturevalue("reduced")[0] if sparsity == 4 else request.getfixturevalue("pooled")
     agreement = bench_script("teacher_agreement")
     model, tok = smollm2
@@ -152,7 +154,7 @@ def test_one_pass_teacher_forcing_equals_the_harness(smollm2, request, plan, spa
     ours = agreement.evaluate(model, tok, plans, N, sparsity, windows=s.windows, span=s.decode_tokens, seed=s.seed)["plans"][plan]
     theirs = rows[(plan, sparsity)]
     assert sum(ours["per_window"]["agreement"]) / s.windows == pytest.approx(theirs["teacher"]["agreement"], abs=1e-9)
-    assert ours["ce_delta"]["mean"] == pytest.approx(theirs["teacher"]["ce_delta"], abs=1e-4)
+    assert ours["ce_delta"]["mean"] == pytest.approx(theirs["teacher"]["ce_delta"], abs=4e-4)
     assert ours["kept"]["mean"] == pytest.approx(theirs["probes"]["kept"]["mean"], abs=1e-3)  # 1 token in 5760 selections: 1.7e-4
 
 
