@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -222,16 +223,56 @@ def time_graph(fn, target_ms: float = 40.0, windows: int = 5) -> float:
     return statistics.median(times)
 
 
-def copy_gbps() -> float:
-    """Device-to-device copy of a 2 GiB tensor: bytes read + written per second (GB/s), clocks warmed first."""
+@functools.lru_cache(maxsize=None)
+def _stream_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream(x_ptr, y_ptr, part_ptr, n, BLOCK: tl.constexpr, COPY: tl.constexpr):
+        # a plain loop: at 8 programs of 8 warps an SM, 64 KB of loads are in flight per SM, more
+        # than the bandwidth-latency product needs, so no software pipelining is wanted
+        pid, progs = tl.program_id(0), tl.num_programs(0)
+        acc = tl.zeros([BLOCK], tl.float32)
+        start = pid * BLOCK
+        while start < n:
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+            if COPY:
+                tl.store(y_ptr + offs, x, mask=offs < n)
+            acc += x.to(tl.float32)
+            start += progs * BLOCK
+        tl.store(part_ptr + pid, tl.sum(acc, axis=0))
+
+    return stream
+
+
+def stream(x, part, y=None, block: int = 4096):
+    """Read x (and, given y, copy it there) with a grid-stride Triton kernel, one partial sum per
+    program into `part` (its length is the grid): streaming by the SMs, as the decode kernels read.
+    (Tensor.copy_ in a CUDA graph is a memcpy node, served at ~2.7 TB/s on an H200 where SM loads
+    reach ~4.2.)"""
+    _stream_kernel()[(part.numel(),)](x, x if y is None else y, part, x.numel(), BLOCK=block, COPY=y is not None,
+                                      num_warps=8)
+
+
+def bandwidth_gbps() -> dict[str, float]:
+    """The ceilings the rooflines divide by, measured on a 2 GiB bf16 buffer after warming the
+    clocks: `copy`, an SM copy counting bytes read + written (METHOD.md's reference), and `read`,
+    a read-only stream (what a decode kernel, which reads nearly all it moves, can reach). GB/s."""
     import torch
 
     a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    for _ in range(20):
-        b.copy_(a)
-    ms = time_graph(lambda: b.copy_(a), target_ms=200)
-    return 2 * a.numel() * 2 / ms / 1e6
+    part = torch.empty(8 * torch.cuda.get_device_properties(a.device).multi_processor_count, device="cuda")
+    out = {}
+    for name, y in (("copy", b), ("read", None)):
+        for _ in range(10):
+            stream(a, part, y)
+        ms = time_graph(lambda: stream(a, part, y), target_ms=200)
+        out[name] = (1 if y is None else 2) * a.numel() * a.element_size() / ms / 1e6
+    assert torch.equal(b, a), "the copy kernel is wrong"
+    return out
 
 
 def kernel_times(fn, reps: int = 5) -> dict[str, tuple[float, int]]:

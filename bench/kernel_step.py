@@ -18,7 +18,7 @@ best dense). bf16, Hq=32, Hkv=8, D=128 (Llama-3.1-8B), sink 128 + local 128 + bu
 The step of NL distinct layers (so replays do not find the previous layer's data in L2) is
 captured in a CUDA graph and replayed (median of windows). Per kernel: device time from the
 profiler, the bytes it must move by the model below, achieved bandwidth and its share of a
-device-to-device copy measured in the same run; the whole step against the floor of its bytes;
+copy by the SMs (bytes read + written, benchlib.bandwidth_gbps) measured in the same run; the whole step against the floor of its bytes;
 launches per layer. `--short` adds a cache filled only to budget + sink + local. Random keys and
 queries attend almost uniformly; `--sharpness` scales the queries (logits' spread) so that an
 adaptive budget has something to trim (3.25: 0.95 of a random 16K pool's mass in ~85% of a
@@ -215,9 +215,9 @@ def run_gpu(a) -> dict:
     warm = torch.randn(1 << 28, device="cuda")  # clocks up before the first measurement
     for _ in range(50):
         warm.mul_(1.0)
-    copy = benchlib.copy_gbps()
-    res["copy_gbps"] = copy
-    print(f"# {res['meta']['gpu']}  copy {copy:.0f} GB/s", flush=True)
+    res["bandwidth_gbps"] = bw = benchlib.bandwidth_gbps()
+    res["copy_gbps"] = copy = bw["copy"]
+    print(f"# {res['meta']['gpu']}  copy {copy:.0f} GB/s (SM copy, read + written), read {bw['read']:.0f} GB/s", flush=True)
     for L, B, filled in shapes:
         row = median_rows([measure_shape(L, B, filled, a, copy) for _ in range(a.repeat)])
         res["rows"].append(row)
@@ -228,7 +228,7 @@ def run_gpu(a) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Kernel roofline, {res['meta']['gpu']} (copy {res['copy_gbps']:.0f} GB/s), bf16, Hq={HQ}, Hkv={HKV}, "
+    lines = [f"Kernel roofline, {res['meta']['gpu']} (SM copy {res['copy_gbps']:.0f} GB/s), bf16, Hq={HQ}, Hkv={HKV}, "
              f"D={D}, budget {res['config']['budget']} + {res['config']['sink']} + {res['config']['local']}; "
              f"per layer (prism-g4: group average); query sharpness {res['config'].get('sharpness', 1.0)}; "
              f"`{res['meta']['command']}`", ""]

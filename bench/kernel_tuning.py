@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Launch-knob sweep of the decode-step kernels on one GPU, checked against the reference first.
 
-For each kernel (hash_select, select_topk over float scores, mass_select at mass 1 and 0.95,
-int2_scores, sparse_decode_attention)
+For each kernel (hash_select, select_topk over float scores, mass_select at mass 1 and 0.95 by one
+program a row and by the passes, int2_scores, sparse_decode_attention)
 and each shape (context x batch; Hq=32, Hkv=8, D=128, bf16, budget 4096 + 128 + 128, pool 4 x
 4096) it times every configuration of its launch knobs by CUDA-graph replay over 4 distinct layers
 (so replays do not find the last layer's data in L2), and reports the best with its bytes and the
@@ -33,7 +33,7 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="two configurations per kernel")
     p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
-    p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "int2", "attention"],
+    p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "mass", "int2", "attention"],
                    help="sweep only these kernels")
     benchlib.add_out(p)
     return p.parse_args()
@@ -107,10 +107,17 @@ def check_correctness() -> list[str]:
         r = ref.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass)
         a = S.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass=mass)
         out.append(f"mass_select mass={mass}: {'exact' if torch.equal(a, r) else 'MISMATCH ' + str(int((a != r).sum()))}")
-    a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start, k_inner=300)
+        p = S.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass=mass, row=False)
+        out.append(f"mass_select mass={mass} row vs passes: {'exact' if torch.equal(a, p) else 'MISMATCH ' + str(int((a != p).sum()))}")
     b3 = ref.select_nested(sc, pos, 1024, 300, SINK, LOCAL, mask, start)
-    same = torch.equal(a[0], b3[0]) and torch.equal(a[1], b3[1])
-    out.append(f"select_nested float ties: {'exact' if same else 'MISMATCH'}")
+    for rows in (True, False):
+        a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start, k_inner=300, row=rows)
+        same = torch.equal(a[0], b3[0]) and torch.equal(a[1], b3[1])
+        out.append(f"select_nested float ties, row={rows}: {'exact' if same else 'MISMATCH'}")
+        a = S.hash_select(ql, ks, pos, 2048, SINK, LOCAL, mask, start, k_inner=512, row=rows)
+        b4 = ref.hash_select_nested(ql, ks, pos, 2048, 512, SINK, LOCAL, mask, start)
+        same = torch.equal(a[0], b4[0]) and torch.equal(a[1], b4[1])
+        out.append(f"hash_select_nested, row={rows}: {'exact' if same else 'MISMATCH'}")
     q = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -134,9 +141,10 @@ def main() -> None:
     res["checks"] = check_correctness()
     for line in res["checks"]:
         print("check", line, flush=True)
-    copy = benchlib.copy_gbps()
-    res["copy_gbps"] = copy
-    print(f"# {res['meta']['gpu']} {res['meta']['versions']} copy {copy:.0f} GB/s", flush=True)
+    res["bandwidth_gbps"] = bw = benchlib.bandwidth_gbps()
+    res["copy_gbps"] = copy = bw["copy"]
+    print(f"# {res['meta']['gpu']} {res['meta']['versions']} copy {copy:.0f} GB/s (SM copy, read + written), read {bw['read']:.0f} GB/s",
+          flush=True)
     old = None
     if ARGS.baseline:
         sys.path.insert(0, ARGS.baseline)
@@ -179,39 +187,55 @@ def main() -> None:
             profile["hash_select"] = benchlib.kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL,
                                                                         st.mask, None, **cfg))
         pool_n = RHO * BUDGET
-        if want("select") or want("int2"):
+        if want("select") or want("mass") or want("int2"):
             scores = [I.int2_scores(st.q[i], *st.int2[i], st.pos) for i in range(nl)]
+        if want("select") or want("mass"):
+            pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
+                     for i in range(nl)]
         if want("select"):
             sel_bytes = R * L * (4 + 1 + 2 + 2 + 2)
             space = dict(block=[2048, 4096], warps=[4, 8], waves=[4, 16], level_bits=[4, 8], cap=[16, 64])
             record("select_pool", sweep("select_topk 128K->pool", space, lambda **c: per_layer(
                 lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
                 sel_bytes * nl, copy, res["rows"], shape))
-            record("select_nested", sweep("select_nested 128K->pool+budget", space, lambda **c: per_layer(
-                lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, k_inner=BUDGET, **c)),
-                (sel_bytes + R * BUDGET * 4) * nl, copy, res["rows"], shape))
+            for how, rows in (("row", True), ("passes", False)):  # the inner list by one program a row, or the passes
+                record(f"select_nested_{how}", sweep(f"select_nested {how}", space, lambda **c: per_layer(
+                    lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, k_inner=BUDGET,
+                                            row=rows, **c)),
+                    (sel_bytes + R * BUDGET * 4) * nl, copy, res["rows"], shape))
+            if old is not None:
+                best["select_nested_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.select_topk(
+                    scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, k_inner=BUDGET))) / nl)
             if old is not None:
                 best["select_pool_old"] = dict(ms=benchlib.time_graph(per_layer(
                     lambda i: old.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask))) / nl)
-            pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
-                     for i in range(nl)]
             pscores = [torch.gather(scores[i], 2, pools[i].clamp(min=0).long()) for i in range(nl)]
             record("select_in_pool", sweep("select_topk in pool", dict(block=[1024, 4096], warps=[4], waves=[4, 8],
                                                                        level_bits=[4, 8], cap=[16, 64]),
                                            lambda **c: per_layer(lambda i: S.select_topk(
                                                pscores[i], st.pos, BUDGET, SINK, LOCAL, st.mask, pools[i], None, **c)),
                                            R * pool_n * (4 + 4 + 1 + 6) * nl, copy, res["rows"], shape))
-            for mass in (1.0, 0.95):  # a refined layer's selection: the pool's mass, its top budget, trimmed
-                record(f"mass_select_{mass}", sweep(f"mass_select in pool {mass}", dict(
-                    block=[1024, 4096], warps=[4, 8], waves=[4, 8], level_bits=[8], cap=[16, 64]),
-                    lambda **c: per_layer(lambda i: S.mass_select(st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET,
-                                                                  SINK, LOCAL, None, mass=mass, **c)),
-                    R * pool_n * (4 + 2 * D + 8 * (HQ // HKV) + 4) * nl, copy, res["rows"], shape))
             cfg, cfg_in = best["select_pool"]["config"], best["select_in_pool"]["config"]
             profile["select_pool"] = benchlib.kernel_times(lambda: S.select_topk(scores[0], st.pos, pool_n, SINK, LOCAL, st.mask,
                                                                         None, None, **cfg))
             profile["select_in_pool"] = benchlib.kernel_times(lambda: S.select_topk(pscores[0], st.pos, BUDGET, SINK, LOCAL, st.mask,
                                                                            pools[0], None, **cfg_in))
+        if want("mass"):
+            for mass in (1.0, 0.95):  # a refined layer's selection: the pool's mass, its top budget, trimmed
+                for how, space in (("row", dict(row=[True])),  # one program a row, or the passes over many
+                                   ("passes", dict(row=[False], block=[1024, 4096], warps=[4, 8], waves=[4, 8],
+                                                   level_bits=[8], cap=[16, 64]))):
+                    record(f"mass_select_{mass}_{how}", sweep(f"mass_select {how} {mass}", space,
+                        lambda **c: per_layer(lambda i: S.mass_select(st.q[i], st.k[i], None, st.mask, pools[i], st.pos,
+                                                                      BUDGET, SINK, LOCAL, None, mass=mass, **c)),
+                        R * pool_n * (4 + 2 * D + 8 * (HQ // HKV) + 4) * nl, copy, res["rows"], shape))
+                    if mass == 1.0:
+                        cfg = best[f"mass_select_{mass}_{how}"]["config"]
+                        profile[f"mass_select_{how}"] = benchlib.kernel_times(lambda: S.mass_select(
+                            st.q[0], st.k[0], None, st.mask, pools[0], st.pos, BUDGET, SINK, LOCAL, None, **cfg))
+            if old is not None:
+                best["mass_select_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.mass_select(
+                    st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET, SINK, LOCAL, None))) / nl)
         if want("int2"):
             int2_bytes = R * L * (D // 4 + 4 * (D // 32) + 4)
             space = dict(block_l=[64, 128], warps=[4, 8], stages=[2, 3], variant=[0, 1, 2])
@@ -222,7 +246,7 @@ def main() -> None:
         if want("attention"):
             idx = [S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask) for i in range(nl)]
             att_bytes = R * (BUDGET + SINK + LOCAL) * (2 * D * 2 + 4)
-            space = dict(block_n=[32, 64], warps=[4], stages=[2, 3], waves=[4, 8, 16])
+            space = dict(block_n=[16, 32, 64], warps=[2, 4], stages=[2, 3], waves=[4, 8, 16, 32], max_splits=[64, 256])
             record("attention", sweep("sparse_decode_attention", space, lambda **c: per_layer(
                 lambda i: A.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx[i], None, st.mask, **c)),
                 att_bytes * nl, copy, res["rows"], shape))
@@ -242,13 +266,16 @@ def main() -> None:
     res["wall_s"] = time.perf_counter() - T0
     benchlib.save(ARGS.out, stem, res)
     print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
-          f"{'nested':>7} {'inpool':>7} {'mass':>7} {'mass.95':>7} {'attn':>7} {'old':>7}   (us per layer)")
+          f"{'n.row':>7} {'n.pass':>7} {'old':>7} {'inpool':>7} {'m.row':>7} {'m.pass':>7} {'old':>7} {'m.95row':>7} {'attn':>7} "
+          f"{'old':>7}   (us per layer)")
     for b in res["best"]:
         def us(key):
             return f"{b[key]['ms'] * 1e3:.1f}" if key in b else "-"
         print(f"{b['context']:>7} {b['batch']:>3} {us('dense_sdpa'):>8} {us('hash_select'):>9} {us('hash_select_old'):>7} "
-              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} {us('select_nested'):>7} "
-              f"{us('select_in_pool'):>7} {us('mass_select_1.0'):>7} {us('mass_select_0.95'):>7} {us('attention'):>7} "
+              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} "
+              f"{us('select_nested_row'):>7} {us('select_nested_passes'):>7} {us('select_nested_old'):>7} "
+              f"{us('select_in_pool'):>7} {us('mass_select_1.0_row'):>7} {us('mass_select_1.0_passes'):>7} "
+              f"{us('mass_select_old'):>7} {us('mass_select_0.95_row'):>7} {us('attention'):>7} "
               f"{us('attention_old'):>7}")
     print(f"wall {res['wall_s']:.0f} s")
 

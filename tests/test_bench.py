@@ -71,6 +71,18 @@ def test_kernel_step_smoke_runs_every_plans_step_through_the_kernels():
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-2000:]
 
 
+def test_the_bandwidth_reference_kernel_reads_and_copies_everything():
+    """benchlib.stream, which the rooflines' copy and read ceilings time, on CPU tensors under the
+    interpreter: a length that is no multiple of the grid's stride, every element copied and summed."""
+    code = ("import torch, benchlib; x = torch.randn(70001); y = torch.full_like(x, float('nan')); part = torch.empty(5); "
+            "benchlib.stream(x, part, y, block=1024); assert torch.equal(y, x); "
+            "torch.testing.assert_close(part.sum(), x.sum(), rtol=1e-5, atol=1e-3); "
+            "benchlib.stream(x, part, block=1024); torch.testing.assert_close(part.sum(), x.sum(), rtol=1e-5, atol=1e-3); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=BENCH, env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks():
     """bench/decode_tp.py on two CPU processes (gloo, a tiny model, eager backend): loading the
     sharded checkpoint, per-rank caches and the sparse plans, as the GPU run does at full size."""

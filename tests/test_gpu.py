@@ -19,9 +19,10 @@ OPTIONS = dict(budget=64, sink=16, local=16, rho=2.0)
 # launches per decode step of the 4-layer model, by the Triton kernel that runs each stage
 KERNELS = {
     "hash": {"_pack_kernel": 4, "_hash_keys_kernel": 4, "_hist_kernel": 4, "_select_kernel": 4, "_sparse_attn_kernel": 4},
-    # layers 0, 2 propose (INT2 write, scan, the pool and its budget in one selection), 1, 3 refine (mass over the pool, one selection)
-    "prism-g2": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 4, "_select_kernel": 4,
-                 "_mass_logits_kernel": 2, "_sparse_attn_kernel": 4},
+    # layers 0, 2 propose (INT2 write, scan, the pool's selection, its budget by one program a row over the pool's
+    # keys), 1, 3 refine (mass over the pool, one program a row selecting from it)
+    "prism-g2": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 2, "_select_kernel": 2,
+                 "_mass_logits_kernel": 2, "_row_select_kernel": 4, "_sparse_attn_kernel": 4},
 }
 
 

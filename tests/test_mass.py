@@ -38,8 +38,11 @@ def bf16_value(m: float) -> Fraction:
 
 def contract(mass, p, k, pos, sink, local, mask=None, positions=None, start=None) -> torch.Tensor:
     """select_topk with mass p, row by row in exact arithmetic: the fixed budget's list (the select
-    contract), its chosen trimmed to the fewest largest masses reaching p x all candidates' mass."""
+    contract), its chosen trimmed to the fewest largest masses reaching p x all candidates' mass;
+    p = 1 is the fixed budget itself (no trim: candidates of no mass stay)."""
     chosen = select_contract(mass, pos, k, sink, local, mask, positions, start)
+    if p >= 1:
+        return chosen
     B, Hkv, N = mass.shape
     W, now = sink + local, int(pos[-1])
     readable = ref.valid_positions(mask, B, Hkv, mask.shape[-1] if mask is not None else N)
@@ -181,7 +184,8 @@ def test_one_candidate_the_cap_and_a_row_without_candidates():
     assert ref.select_topk(mass, torch.tensor([0]), 3, 0, 1, mass=0.5).tolist() == [[[0, -1, -1, -1]]]
 
 
-def test_mass_select_kernel_trims_the_pool_as_the_reference():
+@pytest.mark.parametrize("row", [True, False])  # one program a row, or the passes and the trim kernel
+def test_mass_select_kernel_trims_the_pool_as_the_reference(row):
     """The fused path of a refined layer (logits, mass keys, select, trim) against the reference."""
     g = gen(11)
     q, k = torch.randn(2, 8, 1, 64, generator=g) * 2, torch.randn(2, 2, 200, 64, generator=g)
@@ -192,7 +196,8 @@ def test_mass_select_kernel_trims_the_pool_as_the_reference():
         want = ref.mass_select(q, k, None, mask, positions, pos, 40, 2, 4, None, p)
         with poisoned():
             got = K.mass_select(*(t.to(DEV) for t in (q, k)), None, mask.to(DEV), positions.to(DEV), pos.to(DEV), 40, 2, 4,
-                                mass=p, block=64, waves=64).cpu()
+                                mass=p, row=row, block=64, waves=64).cpu()
+        assert (got != SENTINEL).all(), "an output slot was never written"
         m = ref.mass_scores(q, k, None, mask, positions)
         ok = (got == want).all(-1) | near_goal(m, want, p, pos, 2, 4, mask, positions, None)
         assert ok.all(), f"p={p}: kernel != reference in rows {(~ok).nonzero().tolist()}"

@@ -87,6 +87,18 @@ def test_sparse_attention_launch_knobs_do_not_change_the_result(knobs):
     torch.testing.assert_close(out.cpu().double(), dense_oracle(q, k, v, idx, None, mask), **TOL[torch.float32])
 
 
+def test_sparse_attention_many_splits_merge_in_steps():
+    """More splits than the combine merges at once (64 partials a head, 32 a step), padded heads
+    (G=3 in a 16-row tile) whose partials are never written nor read."""
+    g = gen(22)
+    B, Hkv, G, L, D = 1, 2, 3, 1200, 32
+    q, k, v = randn(B, Hkv * G, 1, D, g=g), randn(B, Hkv, L, D, g=g), randn(B, Hkv, L, D, g=g)
+    idx = _indices(B, Hkv, L, 1100, g, pad_every=7).to(DEV)
+    with poisoned():
+        out = K.sparse_decode_attention(q, k, v, idx, None, None, block_n=16, waves=64, max_splits=256)
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, k, v, idx, None, None), **TOL[torch.float32])
+
+
 @FAST
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 4]), L=st.integers(1, 160),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), mask_kind=st.sampled_from(MASK_KINDS),

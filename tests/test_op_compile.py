@@ -32,12 +32,18 @@ def _compile_check(*flags: str) -> str:
     return run.stdout
 
 
+# Stack frames (spilled registers) measured 2026-12-01 on paths off the Llama-shaped decode step:
+# the fp32-query and head-dim-256 INT2 scans. A kernel may not spill more than this, and every other
+# kernel not at all.
+KNOWN_STACK = {("int2_scores fp32", "_int2_scores_kernel"): 5216, ("int2 d256 g8 fp16", "_int2_scores_kernel"): 104}
+
+
 @needs_tools
 def test_gpu_code_paths_compile_for_sm90_without_spills():
     """The GPU-only paths (pipelined loops, tensor-core dots, popc) the interpreter never runs."""
-    rows = re.findall(r"^(.+?)\s+regs\s+(\d+) local\s+(\d+) smem\s+(\d+)$", _compile_check(), re.M)
+    rows = re.findall(r"^(.+?)\s{2,}(_\w+)\s+regs\s+(\d+) local\s+(\d+) stack\s+(\d+) smem\s+(\d+)$", _compile_check(), re.M)
     assert len(rows) >= 30
-    spills = [r for r in rows if int(r[2]) > 0]
+    spills = [r for r in rows if int(r[3]) > 0 or int(r[4]) > KNOWN_STACK.get((r[0].strip(), r[1]), 0)]
     assert not spills, f"register spills: {spills}"
 
 

@@ -190,10 +190,11 @@ def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **
 @MORE
 @given(kind=st.sampled_from(KINDS), mask_kind=st.sampled_from(["none", "bool", "min", "inf-head"]), k=st.integers(1, 320),
        inner=st.integers(1, 320), sink=st.integers(0, 20), local=st.integers(1, 40), now=st.integers(0, 299),
-       padded=st.booleans(), level_bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
-def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, padded, level_bits, seed):
+       padded=st.booleans(), level_bits=st.sampled_from([4, 8]), row=st.booleans(), seed=st.integers(0, 2**16))
+def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, padded, level_bits, row, seed):
     """A Prism proposal's pool and budget in one selection: the pool is select_topk's k, the budget
-    the best k_inner within the pool (the same keys above the pool's cut; at it, the pool's ties)."""
+    the best k_inner within the pool (the same keys above the pool's cut; at it, the pool's ties),
+    by one program a row over the pool's keys or by the passes counting both lists."""
     g = gen(seed)
     B, Hkv, L = 2, 2, 300
     scores = _scores(kind, B, Hkv, L, g).to(DEV)
@@ -204,11 +205,12 @@ def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, pad
         if mask is not None:
             mask[1, ..., : int(start[1])] = False if mask.dtype == torch.bool else float("-inf")
     check_nested(scores, torch.tensor([now], device=DEV), k, min(inner, k), sink, local, mask, start,
-                 level_bits=level_bits, block=64, waves=64)
+                 level_bits=level_bits, block=64, waves=64, row=row)
 
 
 @pytest.mark.parametrize("G,W", [(4, 1), (8, 1)])  # 8-bit and 16-bit Hamming keys
-def test_hash_select_nested_equals_its_reference(G, W):
+@pytest.mark.parametrize("row", [True, False])
+def test_hash_select_nested_equals_its_reference(G, W, row):
     g = gen(40 + G)
     B, Hkv, L = 2, 2, 2500
     q_logits = torch.randn(B, Hkv * G, 32 * W, generator=g).to(DEV)
@@ -218,11 +220,13 @@ def test_hash_select_nested_equals_its_reference(G, W):
     pos = torch.tensor([2400], device=DEV)
     for k, k_inner in ((400, 100), (3000, 100)):  # a pool with ties at its edge; a pool of every candidate
         with poisoned():
-            out, inner = (t.cpu() for t in K.hash_select(q_logits, k_sig, pos, k, 8, 8, mask, start, k_inner=k_inner))
+            out, inner = (t.cpu() for t in K.hash_select(q_logits, k_sig, pos, k, 8, 8, mask, start, k_inner=k_inner, row=row))
+        assert (out != SENTINEL).all() and (inner != SENTINEL).all(), "an output slot was never written"
         want, want_in = ref.hash_select_nested(q_logits.cpu(), k_sig.cpu(), pos.cpu(), k, k_inner, 8, 8, mask.cpu(), start.cpu())
         assert torch.equal(out, want) and torch.equal(inner, want_in)
-        for row_in, row in zip(want_in[..., 16:].flatten(0, 1), want[..., 16:].flatten(0, 1)):  # nested
-            assert set(row_in.tolist()) - {-1} <= set(row.tolist()) and int((row_in >= 0).sum()) == min(k_inner, int((row >= 0).sum()))
+        for chosen_in, chosen in zip(want_in[..., 16:].flatten(0, 1), want[..., 16:].flatten(0, 1)):  # nested
+            assert (set(chosen_in.tolist()) - {-1} <= set(chosen.tolist())
+                    and int((chosen_in >= 0).sum()) == min(k_inner, int((chosen >= 0).sum())))
 
 
 def test_nested_selection_rejects_an_inner_budget_above_the_pool():
@@ -333,14 +337,15 @@ def test_select_real_shapes(kind, L, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["float", "ties"])
-def test_select_nested_real_shapes(kind):
+@pytest.mark.parametrize("row", [True, False])
+def test_select_nested_real_shapes(kind, row):
     """A Prism proposal at 128K: the pool of 16384 and its budget of 4096 in one selection."""
     g = gen(17)
     L = 131072
     scores = _scores(kind, 2, 8, L, g).to(DEV)
     pos = torch.tensor([L - 5], device=DEV)
     mask = torch.ones(2, 1, 1, L, dtype=torch.bool, device=DEV)
-    out, inner = K.select_topk(scores, pos, 16384, 128, 128, mask, k_inner=4096)
+    out, inner = K.select_topk(scores, pos, 16384, 128, 128, mask, k_inner=4096, row=row)
     want, want_in = ref.select_nested(scores.cpu(), pos.cpu(), 16384, 4096, 128, 128, mask.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(inner.cpu(), want_in)
 

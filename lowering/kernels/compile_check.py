@@ -95,8 +95,6 @@ def compile_launch(kernel, args, kwargs, arch: int = 90):
 def _scenarios():
     """Launcher calls covering every constexpr path the ops take at real shapes (CPU tensors)."""
     from .. import kernels as K
-    from .select import TRIM_MAX
-
 
     B, Hkv, G, L, D = 1, 8, 4, 8192, 128
     bf = torch.bfloat16
@@ -120,8 +118,13 @@ def _scenarios():
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)
-    pool16k = torch.zeros(B, Hkv, 4 * TRIM_MAX, dtype=torch.int64)
-    yield "mass_select trimmed", lambda: K.mass_select(q, k, None, mask_f, pool16k, pos, TRIM_MAX, 128, 128, mass=0.9)
+    pool16 = torch.zeros(B, Hkv, 16384, dtype=torch.int32)
+    yield "mass_select row 16K", lambda: K.mass_select(q, k, None, mask_b[:, :1], pool16, pos, 4096, 128, 128)
+    yield "mass_select row 16K trim", lambda: K.mass_select(q, k, None, mask_b, pool16, pos, 4096, 128, 128,
+                                                            torch.zeros(B, dtype=torch.int32), mass=0.95)
+    yield "mass_select passes", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128, row=False)
+    pool64k = torch.zeros(B, Hkv, 65536, dtype=torch.int64)  # beyond one program a row: the passes, then the trim kernel
+    yield "mass_select trimmed", lambda: K.mass_select(q, k, None, mask_f, pool64k, pos, 16384, 128, 128, mass=0.9)
     yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
     yield "select_topk int16 pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.int16), pos, 1024, 128, 128,
                                                         mask_b, pool)
@@ -129,10 +132,20 @@ def _scenarios():
                                                    None, torch.zeros(B, dtype=torch.int32))
     yield "select_nested float", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.float32), pos, 1024, 128, 128,
                                                      mask_b, None, None, k_inner=256)
+    long = 131072  # a proposal at 128K: pool 16384, its budget 4096 (the inner list by one program a row, or the passes)
+    pos_long, mask_long = torch.tensor([long - 1]), torch.ones(B, 1, 1, long, dtype=torch.bool)
+    yield "select_nested 128K row", lambda: K.select_topk(torch.zeros(B, Hkv, long), pos_long, 16384, 128, 128, mask_long,
+                                                        k_inner=4096)
+    yield "select_nested 128K passes", lambda: K.select_topk(torch.zeros(B, Hkv, long), pos_long, 16384, 128, 128,
+                                                           mask_long, k_inner=4096, row=False)
     qlog = torch.zeros(B, Hkv * G, 32, dtype=bf)
     sig = torch.zeros(B, Hkv, L, 1, dtype=torch.int32)
     yield "hash_select", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1])
     yield "hash_select nested", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1], k_inner=1024)
+    yield "hash_select nested passes", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1], k_inner=1024,
+                                                           row=False)
+    yield "hash_select nested 128K", lambda: K.hash_select(qlog, torch.zeros(B, Hkv, long, 1, dtype=torch.int32), pos_long,
+                                                         16384, 128, 128, mask_long, k_inner=4096)
     yield "hash_select wide g8 w2", lambda: K.hash_select(torch.zeros(B, 16, 64, dtype=bf), torch.zeros(B, 2, L, 2, dtype=torch.int32),
                                                         pos, 512, 128, 128, mask_f, torch.zeros(B, dtype=torch.int32))
     yield "select_topk pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
@@ -172,7 +185,8 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 def compile_all(arch: int = 90):
-    """[(scenario, kernel name, registers, local bytes, shared bytes)] for every recorded launch."""
+    """[(scenario, kernel name, registers, local bytes, stack bytes, shared bytes)] for every
+    recorded launch (registers spilled go to the stack frame or to local memory)."""
     rows = []
     for name, call in _scenarios():
         with recording() as launches:
@@ -180,7 +194,8 @@ def compile_all(arch: int = 90):
         for kernel, _grid, args, kwargs in launches:
             c = compile_launch(kernel, args, kwargs, arch)
             use = resource_usage(c.asm["cubin"])
-            rows.append((name, kernel.fn.__name__, use.get("REG", -1), use.get("LOCAL", -1), c.metadata.shared))
+            rows.append((name, kernel.fn.__name__, use.get("REG", -1), use.get("LOCAL", -1), use.get("STACK", -1),
+                         c.metadata.shared))
     return rows
 
 
@@ -221,7 +236,7 @@ def main() -> None:
             print(f"{name:28s} {kernel:28s} writes {' '.join(written)}")
         return
     for row in compile_all():
-        print("{:28s} {:28s} regs {:4d} local {:5d} smem {:7d}".format(*row))
+        print("{:28s} {:28s} regs {:4d} local {:5d} stack {:5d} smem {:7d}".format(*row))
 
 
 if __name__ == "__main__":

@@ -109,11 +109,11 @@ def _sparse_attn_kernel(
             )
             start += BLOCK_N
     dv = tl.arange(0, DV)
-    if SPLIT:
+    if SPLIT:  # the G real heads' partials (padded rows are never read)
         base = (r * NSPLIT + sp) * G_PAD
-        tl.store(pm_ptr + base + g, m_i)
-        tl.store(pl_ptr + base + g, l_i)
-        tl.store(pacc_ptr + (base + g)[:, None] * DV + dv[None, :], acc)
+        tl.store(pm_ptr + base + g, m_i, mask=gm)
+        tl.store(pl_ptr + base + g, l_i, mask=gm)
+        tl.store(pacc_ptr + (base + g)[:, None] * DV + dv[None, :], acc, mask=gm[:, None])
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -128,7 +128,8 @@ def _combine_kernel(
     Hq, NSPLIT,
     sob, soh, sod,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr,
-    S_PAD: tl.constexpr,  # splits padded to a power of two: all partials of a head in registers
+    S_PAD: tl.constexpr,  # splits padded to a power of two: every split's (max, sumexp) of a head in registers
+    S_STEP: tl.constexpr,  # splits whose accumulators are merged per step ([S_STEP, DV] in registers)
 ):
     pid = tl.program_id(0)  # one (batch, query head)
     b = pid // Hq
@@ -142,11 +143,16 @@ def _combine_kernel(
     ls = tl.load(pl_ptr + base, mask=live, other=0.0)
     top = tl.max(ms, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp(ms - top)
-    total = tl.sum(w * ls, axis=0)
+    total = tl.sum(tl.exp(ms - top) * ls, axis=0)
     dv = tl.arange(0, DV)
-    parts = tl.load(pacc_ptr + base[:, None] * DV + dv[None, :], mask=live[:, None], other=0.0)
-    acc = tl.sum(w[:, None] * parts, axis=0)
+    acc = tl.zeros([DV], tl.float32)
+    for s0 in tl.static_range(0, S_PAD, S_STEP):
+        sj = s0 + tl.arange(0, S_STEP)
+        lj = sj < NSPLIT
+        bj = (r * NSPLIT + sj) * G_PAD + g
+        w = tl.exp(tl.load(pm_ptr + bj, mask=lj, other=float("-inf")) - top)
+        parts = tl.load(pacc_ptr + bj[:, None] * DV + dv[None, :], mask=lj[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * parts, axis=0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * sob + hq * soh + dv * sod, out.to(out_ptr.dtype.element_ty))
 
@@ -173,11 +179,11 @@ def sparse_decode_attention_supported(q, k, v, indices, scale=None, mask=None) -
 
 
 def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=None, warps=4, stages=None,
-                            waves=None) -> torch.Tensor:
+                            waves=None, max_splits=MAX_SPLITS) -> torch.Tensor:
     """softmax(q k[idx]^T * scale + mask[idx]) v[idx] per KV head: [B,Hq,1,Dv] in q's dtype.
 
-    block_n / warps / stages / waves (programs per SM the split count aims for) are tuning knobs;
-    unset, they take bench/kernel_tuning.py's choice on an H200 for the row count."""
+    block_n / warps / stages / waves (programs per SM the split count aims for) / max_splits are
+    tuning knobs; unset, they take bench/kernel_tuning.py's choice on an H200 for the row count."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     DV = v.shape[-1]
@@ -194,7 +200,7 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
     waves = waves or (8 if many else 4)
     G_PAD = max(16, pow2(G))
     blocks = triton.cdiv(NIDX, BLOCK_N)
-    splits = max(1, min(MAX_SPLITS, blocks, triton.cdiv(waves * num_sms(q.device), R)))
+    splits = max(1, min(max_splits, blocks, triton.cdiv(waves * num_sms(q.device), R)))
     split_len = triton.cdiv(blocks, splits) * BLOCK_N
     splits = triton.cdiv(NIDX, split_len)
     ma = MaskView(mask, Hkv, indices)
@@ -224,7 +230,7 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
             pm, pl, pacc, out,
             Hq, splits,
             out.stride(0), out.stride(1), out.stride(3),
-            G=G, G_PAD=G_PAD, DV=DV, S_PAD=pow2(splits),
+            G=G, G_PAD=G_PAD, DV=DV, S_PAD=pow2(splits), S_STEP=min(pow2(splits), 32),
             num_warps=4,
         )
     return out

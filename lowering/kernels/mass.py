@@ -133,10 +133,17 @@ def row_stats(pm_ptr, pl_ptr, r, NSPLIT, G: tl.constexpr, G_PAD: tl.constexpr, S
 @triton.jit
 def group_mass(scr_row, offs, ok, N, top, inv, G: tl.constexpr, G_PAD: tl.constexpr):
     """Sum over the group's query heads of softmax weights at candidates offs, from the logits scratch
-    row [G, N] and row_stats."""
+    row [G, N] and row_stats. One head at a time, in head order: [len(offs)] vectors only (a
+    [G_PAD, len] tile would hold G_PAD / G times the registers), and every kernel that ranks a
+    mass (the normalise kernel, the selections' key passes) adds the same terms in the same order."""
     g = tl.arange(0, G_PAD)
-    lg = tl.load(scr_row + g[:, None] * N + offs[None, :], mask=(g < G)[:, None] & ok[None, :], other=float("-inf"))
-    return tl.sum(tl.exp(lg - top[:, None]) * inv[:, None], axis=0)
+    acc = tl.zeros(offs.shape, tl.float32)
+    for j in tl.static_range(G):
+        t = tl.sum(tl.where(g == j, top, 0.0), axis=0)
+        w = tl.sum(tl.where(g == j, inv, 0.0), axis=0)
+        lg = tl.load(scr_row + j * N + offs, mask=ok, other=float("-inf"))
+        acc += tl.exp(lg - t) * w
+    return acc
 
 
 @triton.jit

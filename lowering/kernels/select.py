@@ -46,7 +46,8 @@ from .common import (
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
-TRIM_MAX = 16384  # the longest list one program trims to a mass (held in registers)
+ROW_MAX = 16384  # the largest pool one program a row selects from (`_row_select_kernel`); beyond, many programs share a row
+ROW_CHUNK, ROW_WARPS = 2048, 16  # its passes' step (4 candidates a thread) and width
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
 WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
 WIN_BLOCK = tl.constexpr(256)
@@ -373,6 +374,28 @@ def _pad(out_row, sok, need, K):
 
 
 @triton.jit
+def _window(row, sok, row_in, sik, first, now, sink, local, mask_b, h, L, min_half, smh, sml,
+            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr, NESTED: tl.constexpr):
+    """A list's first sink + local slots, in the reference's order: the sink from the row's first
+    position, then now - local + 1 .. now; -1 where unreadable or before the row (NESTED: also the inner list's)."""
+    WIN = sink + local
+    w0 = 0
+    while w0 < WIN:
+        jw = w0 + tl.arange(0, WIN_BLOCK)
+        in_sink = jw < sink
+        q = tl.where(in_sink, first + jw, now - local + 1 + (jw - sink))
+        ok = (jw < WIN) & (q >= 0) & (q <= now) & (in_sink | (q >= first + sink))
+        if HAS_MASK:
+            ok = mask_readable(mask_b, 0, h, tl.minimum(tl.maximum(q, 0), L - 1), ok, 0, smh, sml, min_half,
+                               MASK_HEADS, MASK_BOOL)
+        win = tl.where(ok, q, -1).to(tl.int32)
+        tl.store(row + jw * sok, win, mask=jw < WIN)
+        if NESTED:
+            tl.store(row_in + jw * sik, win, mask=jw < WIN)
+        w0 += WIN_BLOCK
+
+
+@triton.jit
 def _select_kernel(
     tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, inner_ptr, ckey_ptr,
     Hkv, N, L, sink, local, K, K_IN, min_half, PROGS,
@@ -427,36 +450,67 @@ def _select_kernel(
                                                    HAS_POS, NESTED, TRIM)
             blk += 1
 
-    if p == 0:  # the window (reference order: sink, then now-local+1 .. now) and the padding
-        WIN = sink + local
-        mask_b = mask_ptr + b * smb
-        w0 = 0
-        while w0 < WIN:
-            jw = w0 + tl.arange(0, WIN_BLOCK)
-            in_sink = jw < sink
-            q = tl.where(in_sink, first + jw, now - local + 1 + (jw - sink))
-            ok = (jw < WIN) & (q >= 0) & (q <= now) & (in_sink | (q >= first + sink))
-            if HAS_MASK:
-                ok = mask_readable(mask_b, 0, h, tl.minimum(tl.maximum(q, 0), L - 1), ok, 0, smh, sml, min_half,
-                                   MASK_HEADS, MASK_BOOL)
-            win = tl.where(ok, q, -1).to(tl.int32)
-            tl.store(row + jw * sok, win, mask=jw < WIN)
-            if NESTED:
-                tl.store(row_in + jw * sik, win, mask=jw < WIN)
-            w0 += WIN_BLOCK
+    if p == 0:  # the window and the padding
+        _window(row, sok, row_in, sik, first, now, sink, local, mask_ptr + b * smb, h, L, min_half, smh, sml,
+                HAS_MASK, MASK_BOOL, MASK_HEADS, NESTED)
         _pad(out_row, sok, need, K)
         if NESTED:
             _pad(in_row, sik, need_in, K_IN)
 
 
 # ------------------------------------------------------------------------------ adaptive budget
+TRIM_STEP = 2048  # list slots a step of the trim reads (registers for a step, not the list)
+
+
+@triton.jit
+def _trim_list(src_row, dst_row, sok, ckey_row, K, goal, STEP: tl.constexpr):
+    """reference.trim_to_mass of one chosen list: src_row its K slots after the window (-1 past the
+    chosen), ckey_row their keys. Keeps the fewest, largest mass first, whose mass reaches `goal`:
+    the largest key t whose chosen at or above it hold the goal (a monotone predicate, its bits set
+    from the top; key 32768 is mass 0), every chosen at or above t staying (all when even all fall
+    short or there is no mass), compacted in list order into dst_row, -1 after. STEP slots at a
+    time; dst_row may be src_row (each step is read by every thread before any writes it)."""
+    held = tl.zeros([], tl.float32)
+    j0 = 0
+    while j0 < K:
+        j = j0 + tl.arange(0, STEP)
+        cand = tl.load(src_row + j * sok, mask=j < K, other=-1)
+        held += tl.sum(key_mass(tl.load(ckey_row + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF), axis=0)
+        j0 += STEP
+    t = tl.full([], 32768, tl.int32)
+    for bit in tl.static_range(15):
+        trial = t | (1 << (14 - bit))
+        acc = tl.zeros([], tl.float32)
+        j0 = 0
+        while j0 < K:
+            j = j0 + tl.arange(0, STEP)
+            cand = tl.load(src_row + j * sok, mask=j < K, other=-1)
+            key = tl.load(ckey_row + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF
+            acc += tl.sum(tl.where(key >= trial, key_mass(key), 0.0), axis=0)
+            j0 += STEP
+        t = tl.where(acc >= goal, trial, t)
+    cut = tl.where((held >= goal) & (goal > 0), t, 0)
+    kept = tl.zeros([], tl.int32)
+    j0 = 0
+    while j0 < K:
+        j = j0 + tl.arange(0, STEP)
+        cand = tl.load(src_row + j * sok, mask=j < K, other=-1)
+        keep = (cand >= 0) & ((tl.load(ckey_row + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF) >= cut)
+        tl.debug_barrier()  # this step read by every thread before any overwrites it (slots only move left)
+        ones = keep.to(tl.int32)
+        tl.store(dst_row + (kept + tl.cumsum(ones, 0) - ones) * sok, cand, mask=keep)
+        kept += tl.sum(ones, axis=0)
+        j0 += STEP
+    _pad(dst_row, sok, kept, K)
+
+
 @triton.jit
 def _trim_kernel(
     sel_ptr, ckey_ptr, tot_ptr, out_ptr, p, Hkv, WIN, K, PROGS,
     sob, soh, sok,
-    K_PAD: tl.constexpr, W_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    W_PAD: tl.constexpr, P_PAD: tl.constexpr, STEP: tl.constexpr,
 ):
-    """One row of a selection trimmed to p of its candidates' mass (reference.trim_to_mass): sel
+    """One row of a selection trimmed to p of its candidates' mass (`_trim_list`): sel
     [B,Hkv,WIN+K] the select pass's list, ckey [R,K] the keys it took, tot [R,PROGS] the key
     pass's chunk masses; writes out (sel's shape and strides)."""
     r = tl.program_id(0)
@@ -467,23 +521,111 @@ def _trim_kernel(
     tl.store(out_row + w * sok, tl.load(sel_row + w * sok, mask=w < WIN), mask=w < WIN)
     pp = tl.arange(0, P_PAD)
     goal = p * tl.sum(tl.load(tot_ptr + r * PROGS + pp, mask=pp < PROGS, other=0.0), axis=0)
-    j = tl.arange(0, K_PAD)
-    cand = tl.load(sel_row + (WIN + j) * sok, mask=j < K, other=-1)
-    key = tl.load(ckey_ptr + r.to(tl.int64) * K + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF
-    v = key_mass(key)
-    reached = (tl.sum(v, axis=0) >= goal) & (goal > 0)
-    # the largest key t whose taken candidates at or above it hold the goal (a monotone predicate:
-    # set its bits from the top); key 32768 is mass 0
-    t = tl.full([], 32768, tl.int32)
-    for bit in tl.static_range(15):
-        trial = t | (1 << (14 - bit))
-        t = tl.where(tl.sum(tl.where(key >= trial, v, 0.0), axis=0) >= goal, trial, t)
-    keep = (cand >= 0) & (key >= tl.where(reached, t, 0))  # short of the goal: all stay
-    ones = keep.to(tl.int32)
-    slot = tl.cumsum(ones, 0) - ones
-    kept = tl.sum(ones, axis=0)
-    tl.store(out_row + (WIN + slot) * sok, cand, mask=keep)
-    tl.store(out_row + (WIN + j) * sok, tl.full([K_PAD], -1, tl.int32), mask=(j < K) & (j >= kept))
+    _trim_list(sel_row + WIN * sok, out_row + WIN * sok, sok, ckey_ptr + r.to(tl.int64) * K, K, goal, STEP)
+
+
+# ------------------------------------------------------------------------------ one program a row
+ROW_MASS, ROW_KEYS = 0, 1  # what `_row_select_kernel` ranks the pool by
+
+
+@triton.jit
+def _row_select_kernel(
+    scr_ptr, pm_ptr, pl_ptr, src_ptr, keys_ptr, ckey_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, out_ptr,
+    p_mass, Hkv, N, NK, L, sink, local, K, min_half, NSPLIT,
+    spb, sph, spn, smb, smh, sml, sob, soh, sok,
+    CHUNK: tl.constexpr,  # candidates per step of each pass (loops, not unrolled: one chunk in registers)
+    KIND: tl.constexpr,  # ROW_MASS: mass_scores from the logits scratch [R, G, N] and its split statistics;
+                         # ROW_KEYS: the keys a key pass wrote to src [R, NK], at each candidate's position
+    KEY_BITS: tl.constexpr,  # 16, or 8 (ROW_KEYS of Hamming similarities): one histogram level
+    G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,  # ROW_MASS: query heads and the logits stage's splits
+    HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
+    TRIM: tl.constexpr,  # ROW_MASS, mass < 1: trim the choice to p_mass of the candidates' mass
+):
+    """select_topk of one row's pool (`pos` [B,Hkv,N], candidate order) in one program, so one
+    launch does what the key, level and select passes (and the trim kernel) do over many programs:
+    every candidate's key into this row's keys scratch [R, N]; the row's level-0 counts; the
+    level-1 counts under the k-th key's top byte; the taken keys placed in candidate order with the
+    select pass's rule (`_take`); the window; the trim. Each pass walks the pool CHUNK keys at a
+    time (the scratch stays in cache), so registers hold one chunk, not the pool. Its uses: a
+    refined layer's mass_select (ROW_MASS), or a proposal's inner list, the best of its pool by the
+    keys the pool's own selection ranked (ROW_KEYS; reference.select_nested). The ranking reads
+    only the scratch: the mask, logits and statistics feed stored keys, never an address, so
+    Inductor sees none of them written."""
+    r = tl.program_id(0)
+    b, h = row_of(r, Hkv)
+    now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
+    pos_row = pos_ptr + b * spb + h * sph
+    keys_row = keys_ptr + r.to(tl.int64) * N
+    ckey_row = ckey_ptr + r.to(tl.int64) * K
+    mask_b = mask_ptr + b * smb
+    # every candidate's key (0: not a candidate)
+    if KIND == 0:
+        top, inv = row_stats(pm_ptr, pl_ptr, r, NSPLIT, G, G_PAD, S_PAD)
+    c0 = 0
+    while c0 < N:
+        o = c0 + tl.arange(0, CHUNK)
+        ok = o < N
+        cand = tl.load(pos_row + o * spn, mask=ok, other=-1).to(tl.int32)
+        if KIND == 0:
+            elig = eligible(cand, ok, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL,
+                            MASK_HEADS)
+            s = group_mass(scr_ptr + r.to(tl.int64) * G * N, o, ok, N, top, inv, G, G_PAD)
+            key = tl.where(elig & (s == s) & (s > float("-inf")), float_key16(s), 0)
+        else:  # a pool's candidates are eligible, their keys > 0 (the key pass wrote 0 for the others)
+            key = tl.load(src_ptr + r.to(tl.int64) * NK + cand, mask=ok & (cand >= 0), other=0).to(tl.int32)
+            key = key & ((1 << KEY_BITS) - 1)
+        tl.store(keys_row + o, key.to(keys_row.dtype.element_ty), mask=ok)
+        c0 += CHUNK
+    tl.debug_barrier()  # every thread reads keys other threads stored
+    # level 0: how many to take, the top byte of the k-th key (and the candidates' mass)
+    eligible_n = tl.zeros([], tl.int32)
+    hist = tl.zeros([256], tl.int32)
+    total = tl.zeros([], tl.float32)
+    c0 = 0
+    while c0 < N:
+        o = c0 + tl.arange(0, CHUNK)
+        key = tl.load(keys_row + o, mask=o < N, other=0).to(tl.int32) & 0xFFFF
+        eligible_n += tl.sum((key > 0).to(tl.int32), axis=0)
+        if KEY_BITS == 16:
+            hist += tl.histogram(key >> 8, 256, mask=key > 0)
+        if TRIM:
+            total += tl.sum(key_mass(key), axis=0)
+        c0 += CHUNK
+    need = tl.minimum(eligible_n, K)
+    t1, above = tl.zeros([], tl.int32), tl.zeros([], tl.int32)
+    if KEY_BITS == 16:
+        t1, above = threshold(tl.cumsum(hist, 0, reverse=True), need, 256)
+    # level 1: its low byte, from the keys under that top byte
+    hist = tl.zeros([256], tl.int32)
+    c0 = 0
+    while c0 < N:
+        o = c0 + tl.arange(0, CHUNK)
+        key = tl.load(keys_row + o, mask=o < N, other=0).to(tl.int32) & 0xFFFF
+        hist += tl.histogram(key & 255, 256, mask=(key > 0) & ((key >> 8) == t1))
+        c0 += CHUNK
+    lo_cum = tl.cumsum(hist, 0, reverse=True)
+    t0, up = threshold(lo_cum, need - above, 256)
+    ties = tl.sum(tl.where(tl.arange(0, 256) == t0, lo_cum, 0), axis=0) - up
+    above += up
+    thr = tl.where(need > 0, t1 * 256 + t0, 1 << 20)  # nothing to take: no key reaches it
+    thr, c = _spread_of(thr, need - above, ties)
+    # the taken, at their ranks in candidate order
+    row = out_ptr + b * sob + h * soh
+    out_row = row + (sink + local) * sok
+    a_run, t_run = tl.zeros([], tl.int32), tl.zeros([], tl.int32)
+    c0 = 0
+    while c0 < N:
+        o = c0 + tl.arange(0, CHUNK)
+        key = tl.load(keys_row + o, mask=o < N, other=0).to(tl.int32) & 0xFFFF
+        cand = tl.load(pos_row + o * spn, mask=key > 0, other=-1)
+        a_run, t_run, _ = _take(key > thr, key == thr, cand, out_row, sok, c, a_run, t_run, key, ckey_row, TRIM)
+        c0 += CHUNK
+    _window(row, sok, row, sok, first, now, sink, local, mask_b, h, L, min_half, smh, sml,
+            HAS_MASK, MASK_BOOL, MASK_HEADS, False)
+    _pad(out_row, sok, need, K)
+    if TRIM:  # the list compacted to the fewest keys holding p_mass of the candidates' mass
+        tl.debug_barrier()  # the list and its keys, stored by every thread
+        _trim_list(out_row, out_row, sok, ckey_row, K, p_mass * total, CHUNK)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -506,7 +648,7 @@ def _selection_supported(pos, k, sink, local, mask, start, batch: int, n: int) -
 def select_topk_supported(scores, pos, k, sink, local, mask=None, positions=None, start=None, mass=1.0) -> bool:
     return (
         on_kernel_device(scores, pos, mask, positions, start)
-        and (mass == 1 or (scores.is_floating_point() and k <= TRIM_MAX))
+        and (mass == 1 or scores.is_floating_point())
         and scores.dim() == 3
         and scores.dtype in SCORE_KIND
         and (positions is None or (positions.shape == scores.shape and _is_index(positions)
@@ -566,21 +708,21 @@ def _counts(levels: int, R: int, progs: int, lb: int, nested: bool, dev) -> torc
 
 
 def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, mass=1.0, block=BLOCK, warps=4,
-                waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None):
+                waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None, row=None):
     """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded
     (mass < 1: trimmed to that share of the mass). With k_inner (reference.select_nested): that
-    list and the one of the best k_inner, both from one pass over the scores. block / warps /
-    waves (programs per SM) / level_bits / cap (programs per row) are tuning knobs
-    (bench/kernel_tuning.py)."""
+    list and the one of the best k_inner, both from one key pass over the scores: the inner list
+    by one program a row over the list's keys when k <= ROW_MAX (row=None; True / False force it),
+    else by the deeper levels and the select pass counting both. block / warps / waves (programs
+    per SM) / level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py)."""
     B, Hkv, N = scores.shape
     return _select(scores, scores.stride(), SCORE_KIND[scores.dtype], None, B, Hkv, N, pos, k, sink, local, mask, positions,
-                   start, block, warps, waves, level_bits, cap, k_inner, mass)
+                   start, block, warps, waves, level_bits, cap, k_inner, mass, row)
 
 
 def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start=None, mass=1.0) -> bool:
     return (
         positions is not None
-        and (mass == 1 or budget <= TRIM_MAX)
         and mass_scores_supported(q, k, scale, mask, positions)
         and on_kernel_device(pos, start)
         and positions.shape[-1] * abs(positions.stride(-1)) < 2**31
@@ -588,27 +730,65 @@ def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local
     )
 
 
-def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, block=BLOCK, warps=4,
-                waves=WAVES, level_bits=LEVEL_BITS, cap=None):
-    """reference.mass_select: select_topk of the pool `positions` by mass_scores, the key pass
-    computing each candidate's mass from the logits stage's scratch (no mass written or read)."""
+def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, row=None, block=BLOCK,
+                warps=4, waves=WAVES, level_bits=LEVEL_BITS, cap=None):
+    """reference.mass_select: select_topk of the pool `positions` by mass_scores, each candidate's
+    mass computed from the logits stage's scratch (never written out). A pool of at most ROW_MAX
+    (row=None; True / False force it) is selected by one program a row (`_row_select_kernel`), a
+    larger one by the key, level and select passes over many."""
     B, Hkv, N = positions.shape
     if B * Hkv * N == 0:  # no logits to take (an empty pool still has its window)
         empty = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         return _select(empty, empty.stride(), SCORE_KIND[empty.dtype], None, B, Hkv, N, pos, budget, sink, local, mask,
                        positions, start, block, warps, waves, level_bits, cap, None, mass)
     lg = mass_logits(q, k, scale, mask, positions)
+    if row if row is not None else N <= ROW_MAX:
+        return _row_select(None, B, Hkv, pos, budget, sink, local, mask, positions, start, mass, logits=lg)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
                    start, block, warps, waves, level_bits, cap, None, mass)
 
 
+def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, mass=1.0, logits=None, key_bits=16):
+    """select_topk of the pool `positions` [B,Hkv,N] by `_row_select_kernel`, one program a row:
+    by mass from `logits` (what mass_logits left; `src` None), else by the keys [R, L] a key pass
+    wrote to `src` (`key_bits` wide)."""
+    B, Hkv, N = positions.shape
+    R = B * Hkv
+    dev = positions.device
+    out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
+    keys = torch.empty(R, N, dtype=torch.int16, device=dev)
+    ckeys = torch.empty(R, k, dtype=torch.int16, device=dev) if mass < 1 else keys
+    ma = MaskView(mask, Hkv, positions)
+    chunk = min(ROW_CHUNK, pow2(N))
+    if logits is None:
+        scr, pm, pl, G, G_PAD, splits = src, src, src, 1, 1, 1
+    else:
+        src, scr, pm, pl, G, G_PAD, splits = keys, logits.scratch, logits.pm, logits.pl, logits.G, logits.G_PAD, logits.splits
+    torch.library.wrap_triton(_row_select_kernel)[(R,)](
+        scr, pm, pl, src, keys, ckeys, positions, pos[-1:], start if start is not None else pos, ma.tensor, out,
+        float(mass), Hkv, N, src.shape[-1], ma.tensor.shape[-1] if ma.present else 1, sink, local, k, ma.min_half, splits,
+        *positions.stride(), ma.sb, ma.sh, ma.sl, *out.stride(),
+        CHUNK=chunk, KIND=ROW_KEYS if logits is None else ROW_MASS,
+        KEY_BITS=key_bits, G=G, G_PAD=G_PAD, S_PAD=pow2(splits), HAS_START=start is not None, HAS_MASK=ma.present,
+        MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, TRIM=mass < 1,
+        num_warps=ROW_WARPS,
+    )
+    return out
+
+
+def _inner_by_row(k_inner, k, row) -> bool:
+    """Whether a nested selection takes its inner list by `_row_select_kernel` over the list's keys."""
+    return k_inner is not None and (row if row is not None else k <= ROW_MAX)
+
+
 def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask, positions, start, block, warps, waves,
-            level_bits, cap, k_inner, mass=1.0):
+            level_bits, cap, k_inner, mass=1.0, row=None):
     """The key pass over scores (or, kind 4, over mass from `logits`, what mass_logits left), then
-    run_select (and, mass < 1, the trim)."""
+    run_select (and, mass < 1, the trim; with k_inner, the inner list)."""
     R = B * Hkv
     dev = scores.device
     trim = mass < 1
+    by_row = _inner_by_row(k_inner, k, row)
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
@@ -616,7 +796,7 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16, device=dev)
-    cum = _counts(16 // level_bits, R, progs, level_bits, k_inner is not None, dev)
+    cum = _counts(16 // level_bits, R, progs, level_bits, k_inner is not None and not by_row, dev)
     ma = MaskView(mask, Hkv, scores)
     has_pos, has_start = positions is not None, start is not None
     pos_t = positions if has_pos else scores
@@ -638,14 +818,16 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     )
     if not trim:
         run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
-                   None if k_inner is None else (k_inner, out_in))
+                   None if k_inner is None or by_row else (k_inner, out_in))
+        if by_row:
+            out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start)
         return out if k_inner is None else (out, out_in)
     chosen = torch.empty_like(out)
     ckeys = torch.empty(R, k, dtype=torch.int16, device=dev)
     run_select(keys, cum, pos, k, sink, local, ma, positions, start, chosen, progs, 16, level_bits, block, warps, ckeys=ckeys)
     torch.library.wrap_triton(_trim_kernel)[(R,)](
         chosen, ckeys, tot, out, mass, Hkv, sink + local, k, progs, *out.stride(),
-        K_PAD=pow2(k), W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs),
+        W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs), STEP=min(TRIM_STEP, pow2(k)),
         num_warps=8,
     )
     return out
@@ -670,9 +852,9 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
 
 
 def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=HASH_BLOCK, warps=4,
-                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS, cap=None, k_inner=None):
+                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS, cap=None, k_inner=None, row=None):
     """reference.hash_select: Hamming keys fused with the first selection pass, then select (with
-    k_inner, also the best k_inner as reference.hash_select_nested)."""
+    k_inner, also the best k_inner as reference.hash_select_nested; `row` as in select_topk)."""
     from .signatures import _hash_keys_kernel
 
     B, Hq, _ = q_logits.shape
@@ -688,7 +870,8 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
-    cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None, dev)
+    by_row = _inner_by_row(k_inner, k, row)
+    cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None and not by_row, dev)
     ma = MaskView(mask, Hkv, k_sig)
     torch.library.wrap_triton(_hash_keys_kernel)[(progs, R)](
         q_logits, k_sig, pos, start if start is not None else pos, ma.tensor, keys, cum,
@@ -700,5 +883,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
         num_warps=warps,
     )
     run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps,
-               None if k_inner is None else (k_inner, out_in))
+               None if k_inner is None or by_row else (k_inner, out_in))
+    if by_row:
+        out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start, key_bits=key_bits)
     return out if k_inner is None else (out, out_in)
