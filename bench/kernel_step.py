@@ -65,6 +65,7 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args()
+DEV = "cpu" if ARGS.smoke else "cuda"
 if ARGS.smoke:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -148,6 +149,9 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_int2_scores_kernel": R * n * (D // 4 + 4 * (D // 32) + 4),  # codes, fp16 scale/zero, fp32 score
         "_score_keys_kernel": R * n * (4 + 2) + B * n,
         "_mass_logits_kernel": R * P * (2 * D + 8 + 4 * HQ // HKV),  # pool K rows, positions, logits scratch
+        # a refined layer's (3 of a group's 4 launches): positions twice, mask, logits, its keys written and read 3 times
+        # (a proposal's inner list gathers 2-byte keys instead of the logits and the mask); the list written
+        "_row_select_kernel": R * P * (4 + 4 + 1 + 4 * HQ // HKV + 2 + 3 * 2) + R * K * 4,
         "_sparse_attn_kernel": R * K * (2 * 2 * D + 4),  # gathered K and V rows, indices
         "_combine_kernel": B * HQ * D * 2,
     }
@@ -155,14 +159,14 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------ runs
 def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
-    dev = torch.device("cuda")
+    dev = torch.device(DEV)
     st = Layers(B, L, a.layers, dev, HQ, HKV, D, filled)
     st.q = [q * a.sharpness for q in st.q]
     steps = Steps(st, a)
     row = dict(context=L, filled=filled, batch=B, layers=st.nl)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with sdpa_kernel([SDPBackend.MATH if a.smoke else SDPBackend.FLASH_ATTENTION]):
         row["dense_ms"] = benchlib.time_graph(st.dense) / st.nl
     kv = 2 * B * HKV * L * D * 2
     row["dense_gbps"] = kv / row["dense_ms"] / 1e6
@@ -187,7 +191,8 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
                          floor_bytes=floor, floor_ms=floor / copy / 1e6,
                          ceiling_speedup=row["dense_ms"] / (floor / copy / 1e6))
     del st, steps
-    torch.cuda.empty_cache()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -212,7 +217,7 @@ def run_gpu(a) -> dict:
     if a.short:
         filled = a.budget + a.sink + a.local
         shapes += [(L, B, filled) for L in a.contexts[:1] for B in a.batches]
-    warm = torch.randn(1 << 28, device="cuda")  # clocks up before the first measurement
+    warm = torch.randn(1 << (10 if a.smoke else 28), device=DEV)  # clocks up before the first measurement
     for _ in range(50):
         warm.mul_(1.0)
     res["bandwidth_gbps"] = bw = benchlib.bandwidth_gbps()
@@ -294,7 +299,16 @@ def run_smoke(a) -> None:
     got = K.hash_select(q_logits, st.sig[0], st.pos, a.budget, a.sink, a.local, st.mask)
     want = ref.hash_select(q_logits, st.sig[0], st.pos, a.budget, a.sink, a.local, st.mask)
     assert torch.equal(got, want), "hash_select kernel differs from the reference"
-    print("smoke ok: every plan's step ran through the kernels; hash_select equals the reference (nothing written)")
+    # the measuring and reporting paths, untimed: one tiny shape per plan, a cache filled to the window
+    benchlib.time_graph = lambda fn, **_: (fn(), 1.0)[1]
+    benchlib.kernel_times = lambda fn, reps=5: {"_sparse_attn_kernel": (1.0, 1), "_row_select_kernel": (1.0, 1)}
+    benchlib.bandwidth_gbps = lambda: dict(copy=1.0, read=1.0)
+    a.contexts, a.batches, a.layers, a.short, a.repeat, a.plans = [256], [1], 2, True, 2, list(PLANS)
+    res = run_gpu(a)
+    md = markdown(res)
+    assert all(p in md for p in PLANS) and "Tokens a refined layer chose" in md, md
+    print("smoke ok: every plan's step ran through the kernels; hash_select equals the reference; the report renders "
+          "(nothing written)")
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import os
 import sys
 import time
 
@@ -35,11 +36,21 @@ def parse_args():
     p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
     p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "mass", "int2", "attention"],
                    help="sweep only these kernels")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, TRITON_INTERPRET=1, tiny shapes, one configuration a sweep, no timing: the script's paths")
     benchlib.add_out(p)
     return p.parse_args()
 
 
 ARGS = parse_args()
+DEV = "cpu" if ARGS.smoke else "cuda"
+if ARGS.smoke:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    HQ, HKV, D, SINK, LOCAL, BUDGET = 4, 2, 64, 8, 8, 64
+    ARGS.contexts, ARGS.batches, ARGS.layers, ARGS.quick = [2048], [1], 1, True
+    benchlib.time_graph = lambda fn, **_: (fn(), 1.0)[1]  # run once, time nothing
+    benchlib.kernel_times = lambda fn, reps=5: {}
+    benchlib.bandwidth_gbps = lambda: dict(copy=1.0, read=1.0)
 
 import torch  # noqa: E402
 from decode_layers import Layers  # noqa: E402  (bench/decode_layers.py)
@@ -55,7 +66,7 @@ T0 = time.perf_counter()
 def configs(space: dict) -> list[dict]:
     keys = list(space)
     out = [dict(zip(keys, vals)) for vals in itertools.product(*space.values())]
-    return out[:2] if ARGS.quick else out
+    return out[:1] if ARGS.smoke else out[:2] if ARGS.quick else out
 
 
 def sweep(name: str, space: dict, make, nbytes: float, copy: float, rows: list, shape: dict) -> dict:
@@ -77,32 +88,44 @@ def sweep(name: str, space: dict, make, nbytes: float, copy: float, rows: list, 
     return best
 
 
+def rows_at(row_chunk=None, row_warps=None, **knobs) -> dict:
+    """The one-program-a-row selection's chunk and width, set for the next launches (its defaults
+    are module constants, read at launch), and the other knobs to pass on."""
+    S.ROW_CHUNK = row_chunk or ROW_DEFAULTS[0]
+    S.ROW_WARPS = row_warps or ROW_DEFAULTS[1]
+    return knobs
+
+
+ROW_DEFAULTS = (S.ROW_CHUNK, S.ROW_WARPS)
+ROW_SPACE = dict(row=[True], row_chunk=[2048, 4096], row_warps=[16, 32])
+
+
 def check_correctness() -> list[str]:
     """GPU kernels against the reference on fresh random inputs (ties, masks, left padding)."""
     out = []
-    g = torch.Generator("cuda").manual_seed(1)
-    B, L, G = 2, 20000, 4
-    start = torch.tensor([0, 333], device="cuda", dtype=torch.int32)
-    mask = torch.rand(B, 1, 1, L, device="cuda", generator=g) > 0.1
+    g = torch.Generator(DEV).manual_seed(1)
+    B, L, G = 2, 2000 if ARGS.smoke else 20000, 4
+    start = torch.tensor([0, 333], device=DEV, dtype=torch.int32)
+    mask = torch.rand(B, 1, 1, L, device=DEV, generator=g) > 0.1
     mask[1, :, :, :333] = False
-    pos = torch.tensor([L - 5], device="cuda")
-    ql = torch.randn(B, HKV * G, 32, device="cuda", generator=g, dtype=torch.bfloat16)
-    ks = torch.randint(-(2**31), 2**31 - 1, (B, HKV, L, 1), device="cuda", generator=g, dtype=torch.int64).to(torch.int32)
+    pos = torch.tensor([L - 5], device=DEV)
+    ql = torch.randn(B, HKV * G, 32, device=DEV, generator=g, dtype=torch.bfloat16)
+    ks = torch.randint(-(2**31), 2**31 - 1, (B, HKV, L, 1), device=DEV, generator=g, dtype=torch.int64).to(torch.int32)
     for k in (64, 4096):
         a = S.hash_select(ql, ks, pos, k, SINK, LOCAL, mask, start)
         b = ref.hash_select(ql, ks, pos, k, SINK, LOCAL, mask, start)
         out.append(f"hash_select k={k}: {'exact' if torch.equal(a, b) else 'MISMATCH ' + str(int((a != b).sum()))}")
-    sc = (torch.randn(B, HKV, L, device="cuda", generator=g) * 8).round() / 8
+    sc = (torch.randn(B, HKV, L, device=DEV, generator=g) * 8).round() / 8
     a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start)
     b = ref.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start)
     out.append(f"select_topk float ties: {'exact' if torch.equal(a, b) else 'MISMATCH ' + str(int((a != b).sum()))}")
     pool = b[:, :, SINK + LOCAL:].contiguous()
-    ps = torch.randn(B, HKV, pool.shape[-1], device="cuda", generator=g)
+    ps = torch.randn(B, HKV, pool.shape[-1], device=DEV, generator=g)
     a = S.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
     b2 = ref.select_topk(ps, pos, 256, SINK, LOCAL, mask, pool, start)
     out.append(f"select_topk pool: {'exact' if torch.equal(a, b2) else 'MISMATCH ' + str(int((a != b2).sum()))}")
-    kq = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    qm = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    kq = torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    qm = torch.randn(B, HKV * G, 1, D, device=DEV, generator=g, dtype=torch.bfloat16) * 3
     for mass in (1.0, 0.9):
         r = ref.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass)
         a = S.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass=mass)
@@ -118,9 +141,9 @@ def check_correctness() -> list[str]:
         b4 = ref.hash_select_nested(ql, ks, pos, 2048, 512, SINK, LOCAL, mask, start)
         same = torch.equal(a[0], b4[0]) and torch.equal(a[1], b4[1])
         out.append(f"hash_select_nested, row={rows}: {'exact' if same else 'MISMATCH'}")
-    q = torch.randn(B, HKV * G, 1, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    k = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    v = torch.randn(B, HKV, L, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    q = torch.randn(B, HKV * G, 1, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, L, D, device=DEV, generator=g, dtype=torch.bfloat16)
     codes, s, z = ref.int2_quantize(k, 32)
     a = I.int2_scores(q, codes, s, z, pos)
     r = ref.int2_scores(q, codes, s, z, pos)
@@ -151,14 +174,14 @@ def main() -> None:
         old = importlib.import_module("oldlowering.kernels")
     for L, B in itertools.product(ARGS.contexts, ARGS.batches):
         nl = ARGS.layers
-        st = Layers(B, L, nl, torch.device("cuda"), HQ, HKV, D, q_logits=True)
+        st = Layers(B, L, nl, torch.device(DEV), HQ, HKV, D, q_logits=True)
         shape = dict(context=L, batch=B)
         R = B * HKV
         print(f"L={L} B={B}", flush=True)
         best = dict(shape)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel([SDPBackend.MATH if ARGS.smoke else SDPBackend.FLASH_ATTENTION]):
             ms = benchlib.time_graph(st.dense) / nl
         kv = 2 * R * L * D * 2
         best["dense_sdpa"] = dict(ms=ms, bytes=kv, gbps=kv / ms / 1e6, copy_fraction=kv / ms / 1e6 / copy)
@@ -198,11 +221,13 @@ def main() -> None:
             record("select_pool", sweep("select_topk 128K->pool", space, lambda **c: per_layer(
                 lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, **c)),
                 sel_bytes * nl, copy, res["rows"], shape))
-            for how, rows in (("row", True), ("passes", False)):  # the inner list by one program a row, or the passes
-                record(f"select_nested_{how}", sweep(f"select_nested {how}", space, lambda **c: per_layer(
-                    lambda i: S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None, k_inner=BUDGET,
-                                            row=rows, **c)),
+            outer = dict(block=[2048, 4096], warps=[4], waves=[4], level_bits=[8], cap=[16])  # the pool's own passes
+            for how, sp in (("row", {**outer, **ROW_SPACE}), ("passes", {**space, "row": [False]})):  # the inner list
+                record(f"select_nested_{how}", sweep(f"select_nested {how}", sp, lambda **c: per_layer(
+                    lambda i, c=rows_at(**c): S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, None, None,
+                                                            k_inner=BUDGET, **c)),
                     (sel_bytes + R * BUDGET * 4) * nl, copy, res["rows"], shape))
+            rows_at()
             if old is not None:
                 best["select_nested_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.select_topk(
                     scores[i], st.pos, pool_n, SINK, LOCAL, st.mask, k_inner=BUDGET))) / nl)
@@ -222,17 +247,18 @@ def main() -> None:
                                                                            pools[0], None, **cfg_in))
         if want("mass"):
             for mass in (1.0, 0.95):  # a refined layer's selection: the pool's mass, its top budget, trimmed
-                for how, space in (("row", dict(row=[True])),  # one program a row, or the passes over many
+                for how, space in (("row", ROW_SPACE),  # one program a row, or the passes over many
                                    ("passes", dict(row=[False], block=[1024, 4096], warps=[4, 8], waves=[4, 8],
                                                    level_bits=[8], cap=[16, 64]))):
                     record(f"mass_select_{mass}_{how}", sweep(f"mass_select {how} {mass}", space,
-                        lambda **c: per_layer(lambda i: S.mass_select(st.q[i], st.k[i], None, st.mask, pools[i], st.pos,
-                                                                      BUDGET, SINK, LOCAL, None, mass=mass, **c)),
+                        lambda **c: per_layer(lambda i, c=rows_at(**c): S.mass_select(
+                            st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET, SINK, LOCAL, None, mass=mass, **c)),
                         R * pool_n * (4 + 2 * D + 8 * (HQ // HKV) + 4) * nl, copy, res["rows"], shape))
                     if mass == 1.0:
-                        cfg = best[f"mass_select_{mass}_{how}"]["config"]
+                        cfg = rows_at(**best[f"mass_select_{mass}_{how}"]["config"])
                         profile[f"mass_select_{how}"] = benchlib.kernel_times(lambda: S.mass_select(
                             st.q[0], st.k[0], None, st.mask, pools[0], st.pos, BUDGET, SINK, LOCAL, None, **cfg))
+                    rows_at()
             if old is not None:
                 best["mass_select_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.mass_select(
                     st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET, SINK, LOCAL, None))) / nl)

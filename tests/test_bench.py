@@ -71,6 +71,23 @@ def test_kernel_step_smoke_runs_every_plans_step_through_the_kernels():
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-2000:]
 
 
+def test_kernel_tuning_smoke_runs_every_sweep_and_check(tmp_path):
+    """bench/kernel_tuning.py --smoke: its checks (kernels equal the reference) and one configuration
+    of every sweep, against an older lowering package too, on CPU tensors under the interpreter."""
+    base = tmp_path / "base"
+    base.mkdir()
+    subprocess.run(f"cp -r {ROOT / 'lowering'} {base / 'oldlowering'}", shell=True, check=True)
+    (base / "oldlowering" / "__init__.py").write_text("")  # kernels only: the ops are registered once
+    r = subprocess.run([sys.executable, "bench/kernel_tuning.py", "--smoke", "--baseline", str(base), "--out", str(tmp_path)],
+                       cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    checks = [line for line in r.stdout.splitlines() if line.startswith("check ")]
+    assert len(checks) >= 12 and not any("MISMATCH" in c or "WRONG" in c for c in checks), checks
+    best = json.loads(next(tmp_path.glob("kernel-tuning-*.json")).read_text())["best"][0]
+    assert {"mass_select_1.0_row", "mass_select_1.0_passes", "select_nested_row", "select_nested_passes", "attention",
+            "mass_select_old", "select_nested_old"} <= set(best)
+
+
 def test_the_bandwidth_reference_kernel_reads_and_copies_everything():
     """benchlib.stream, which the rooflines' copy and read ceilings time, on CPU tensors under the
     interpreter: a length that is no multiple of the grid's stride, every element copied and summed."""

@@ -46,7 +46,11 @@ from .common import (
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
-ROW_MAX = 16384  # the largest pool one program a row selects from (`_row_select_kernel`); beyond, many programs share a row
+# `_row_select_kernel`, one program a row, walks its pool serially, so it pays where rows alone fill
+# the GPU; with few rows, many programs a row (the passes) spread it. Predicted, not yet timed
+# (bench/NOTES.md); bench/kernel_tuning.py times both and sweeps the chunk and width.
+ROW_MAX = 16384  # the largest pool it selects from
+ROW_MIN_ROWS = 64  # (batch x KV heads) rows from which it is the default
 ROW_CHUNK, ROW_WARPS = 2048, 16  # its passes' step (4 candidates a thread) and width
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
 WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
@@ -712,9 +716,9 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=No
     """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded
     (mass < 1: trimmed to that share of the mass). With k_inner (reference.select_nested): that
     list and the one of the best k_inner, both from one key pass over the scores: the inner list
-    by one program a row over the list's keys when k <= ROW_MAX (row=None; True / False force it),
-    else by the deeper levels and the select pass counting both. block / warps / waves (programs
-    per SM) / level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py)."""
+    by one program a row over the list's keys (`_by_rows`; row=True / False force it), else by the
+    deeper levels and the select pass counting both. block / warps / waves (programs per SM) /
+    level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py)."""
     B, Hkv, N = scores.shape
     return _select(scores, scores.stride(), SCORE_KIND[scores.dtype], None, B, Hkv, N, pos, k, sink, local, mask, positions,
                    start, block, warps, waves, level_bits, cap, k_inner, mass, row)
@@ -733,16 +737,16 @@ def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local
 def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, row=None, block=BLOCK,
                 warps=4, waves=WAVES, level_bits=LEVEL_BITS, cap=None):
     """reference.mass_select: select_topk of the pool `positions` by mass_scores, each candidate's
-    mass computed from the logits stage's scratch (never written out). A pool of at most ROW_MAX
-    (row=None; True / False force it) is selected by one program a row (`_row_select_kernel`), a
-    larger one by the key, level and select passes over many."""
+    mass computed from the logits stage's scratch (never written out): by one program a row
+    (`_row_select_kernel` where `_by_rows`; row=True / False force it), else by the key, level and
+    select passes over many."""
     B, Hkv, N = positions.shape
     if B * Hkv * N == 0:  # no logits to take (an empty pool still has its window)
         empty = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         return _select(empty, empty.stride(), SCORE_KIND[empty.dtype], None, B, Hkv, N, pos, budget, sink, local, mask,
                        positions, start, block, warps, waves, level_bits, cap, None, mass)
     lg = mass_logits(q, k, scale, mask, positions)
-    if row if row is not None else N <= ROW_MAX:
+    if _by_rows(B * Hkv, N, row):
         return _row_select(None, B, Hkv, pos, budget, sink, local, mask, positions, start, mass, logits=lg)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
                    start, block, warps, waves, level_bits, cap, None, mass)
@@ -776,9 +780,9 @@ def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, mass=1
     return out
 
 
-def _inner_by_row(k_inner, k, row) -> bool:
-    """Whether a nested selection takes its inner list by `_row_select_kernel` over the list's keys."""
-    return k_inner is not None and (row if row is not None else k <= ROW_MAX)
+def _by_rows(R: int, N: int, row) -> bool:
+    """Whether R rows of pools of N are selected by `_row_select_kernel` (row: None to decide, or forced)."""
+    return row if row is not None else N <= ROW_MAX and R >= ROW_MIN_ROWS
 
 
 def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask, positions, start, block, warps, waves,
@@ -788,7 +792,7 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     R = B * Hkv
     dev = scores.device
     trim = mass < 1
-    by_row = _inner_by_row(k_inner, k, row)
+    by_row = k_inner is not None and _by_rows(R, k, row)
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
@@ -870,7 +874,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
-    by_row = _inner_by_row(k_inner, k, row)
+    by_row = k_inner is not None and _by_rows(R, k, row)
     cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None and not by_row, dev)
     ma = MaskView(mask, Hkv, k_sig)
     torch.library.wrap_triton(_hash_keys_kernel)[(progs, R)](
