@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The standard GPU measurements, one stage a device call (each fits 10 minutes on an H200), in the
+# order a session with 30 minutes of device time takes them. Every stage writes under $OUT (or
+# ./gpu-out) and prints a short table last. Usage, from the repository root on the GPU machine:
+#
+#   bash bench/gpu_session.sh tune     # ~6 min: GPU op tests, then kernel_tuning (row vs passes,
+#                                      #   attention splits) against .scratch/base/oldlowering
+#   bash bench/gpu_session.sh step     # ~3 min: the kernel roofline twice (bench/kernel_step.py), and
+#                                      #   the adaptive budget at a sharpness that lets it trim
+#   bash bench/gpu_session.sh e2e-b4   # ~8 min: end to end at 128K, batch 4, every plan (compiles ~80 s each)
+#   bash bench/gpu_session.sh e2e-b1   # ~7 min: the same at batch 1
+#   bash bench/gpu_session.sh tests    # ~9 min: tests/test_gpu.py
+#
+# `tune` needs the older lowering package to A/B against, made here before the call and carried:
+#   mkdir -p .scratch/base && git archive <rev> lowering | tar -x -C .scratch/base &&
+#   mv .scratch/base/lowering .scratch/base/oldlowering && : > .scratch/base/oldlowering/__init__.py
+# (run with carry=[".scratch"]; .git/info/exclude ignores /.scratch/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+run() { bash bench/gpu.sh "$@"; }
+case "${1:-}" in
+  tune)
+    run python3 -P -m pytest -q -m gpu tests/test_op_select.py tests/test_op_mass.py tests/test_op_attention.py \
+      tests/test_op_int2.py > "$out/op_tests.log" 2>&1 || echo "GPU op tests FAILED (the tuning runs anyway)"
+    tail -5 "$out/op_tests.log"
+    base=()
+    [ -d .scratch/base/oldlowering ] && base=(--baseline .scratch/base)
+    run python3 bench/kernel_tuning.py --only select mass attention --contexts 131072 32768 "${base[@]}" --out "$out" \
+      2>&1 | tee "$out/tuning.log" | tail -14 ;;
+  step)
+    run python3 bench/kernel_step.py --repeat 2 --short --plans hash prism-g4 prism-g4-hash --out "$out" | tail -12
+    run python3 bench/kernel_step.py --repeat 2 --contexts 131072 --batches 1 16 --plans prism-g4 prism-g4-mass0.95 \
+      --sharpness 3.25 --out "$out" | tail -4 ;;
+  e2e-b4)
+    run python3 bench/decode_speed.py --shapes 131072x4 --methods dense-gqa,hash,prism-g4,prism-g4-hash,prism-g4-mass0.95 \
+      --repeat 2 --out "$out" 2>&1 | tail -12 ;;
+  e2e-b1)
+    run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash --repeat 2 \
+      --out "$out" 2>&1 | tail -10 ;;
+  tests)
+    run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15 ;;
+  *)
+    sed -n '2,16p' "$0"
+    exit 2 ;;
+esac
