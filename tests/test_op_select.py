@@ -229,6 +229,25 @@ def test_hash_select_nested_equals_its_reference(G, W, row):
                     and int((chosen_in >= 0).sum()) == min(k_inner, int((chosen >= 0).sum())))
 
 
+def test_nested_selection_of_a_pool_and_with_a_mass():
+    """A nested selection whose candidates are a pool (positions given) takes its inner list from
+    the pool's own indices, on either path (found in review: one program a row read keys by cache
+    position); a nested selection refuses mass < 1 instead of dropping its inner list."""
+    g = gen(1)
+    scores = torch.randn(1, 1, 32, generator=g).to(DEV)
+    positions = (torch.arange(32) * 2).reshape(1, 1, 32).to(torch.int32).to(DEV)  # the pool: even positions
+    pos = torch.tensor([63], device=DEV)
+    rows = [K.select_topk(scores, pos, 16, 0, 1, None, positions, k_inner=4, row=r) for r in (True, False)]
+    outer = ref.select_topk(scores.cpu(), pos.cpu(), 16, 0, 1, None, positions.cpu())
+    at = {int(p): float(s) for p, s in zip(positions.flatten(), scores.flatten())}
+    pool = outer[..., 1:]
+    want_in = ref.select_topk(torch.tensor([[[at.get(int(p), 0.0) for p in pool.flatten()]]]), pos.cpu(), 4, 0, 1, None, pool)
+    for out, inner in rows:
+        assert torch.equal(out.cpu(), outer) and torch.equal(inner.cpu(), want_in)
+    with pytest.raises(ValueError, match="mass"):
+        K.select_topk(torch.rand(1, 1, 64, device=DEV), pos, 16, 0, 1, k_inner=4, mass=0.5)
+
+
 def test_nested_selection_rejects_an_inner_budget_above_the_pool():
     from sparse_fx.lowering import ops
 

@@ -119,10 +119,11 @@ def _scenarios():
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)
     pool16 = torch.zeros(B, Hkv, 16384, dtype=torch.int32)
-    yield "mass_select row 16K", lambda: K.mass_select(q, k, None, mask_b[:, :1], pool16, pos, 4096, 128, 128)
+    yield "mass_select row 16K", lambda: K.mass_select(q, k, None, mask_b[:, :1], pool16, pos, 4096, 128, 128, row=True)
     yield "mass_select row 16K trim", lambda: K.mass_select(q, k, None, mask_b, pool16, pos, 4096, 128, 128,
-                                                            torch.zeros(B, dtype=torch.int32), mass=0.95)
+                                                            torch.zeros(B, dtype=torch.int32), mass=0.95, row=True)
     yield "mass_select passes", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128, row=False)
+    yield "mass_select row 4K", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128, row=True)
     pool64k = torch.zeros(B, Hkv, 65536, dtype=torch.int64)  # beyond one program a row: the passes, then the trim kernel
     yield "mass_select trimmed", lambda: K.mass_select(q, k, None, mask_f, pool64k, pos, 16384, 128, 128, mass=0.9)
     yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)
@@ -135,7 +136,7 @@ def _scenarios():
     long = 131072  # a proposal at 128K: pool 16384, its budget 4096 (the inner list by one program a row, or the passes)
     pos_long, mask_long = torch.tensor([long - 1]), torch.ones(B, 1, 1, long, dtype=torch.bool)
     yield "select_nested 128K row", lambda: K.select_topk(torch.zeros(B, Hkv, long), pos_long, 16384, 128, 128, mask_long,
-                                                        k_inner=4096)
+                                                        k_inner=4096, row=True)
     yield "select_nested 128K passes", lambda: K.select_topk(torch.zeros(B, Hkv, long), pos_long, 16384, 128, 128,
                                                            mask_long, k_inner=4096, row=False)
     qlog = torch.zeros(B, Hkv * G, 32, dtype=bf)
@@ -145,7 +146,7 @@ def _scenarios():
     yield "hash_select nested passes", lambda: K.hash_select(qlog, sig, pos, 4096, 128, 128, mask_b[:, :1], k_inner=1024,
                                                            row=False)
     yield "hash_select nested 128K", lambda: K.hash_select(qlog, torch.zeros(B, Hkv, long, 1, dtype=torch.int32), pos_long,
-                                                         16384, 128, 128, mask_long, k_inner=4096)
+                                                         16384, 128, 128, mask_long, k_inner=4096, row=True)
     yield "hash_select wide g8 w2", lambda: K.hash_select(torch.zeros(B, 16, 64, dtype=bf), torch.zeros(B, 2, L, 2, dtype=torch.int32),
                                                         pos, 512, 128, 128, mask_f, torch.zeros(B, dtype=torch.int32))
     yield "select_topk pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,

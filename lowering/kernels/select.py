@@ -51,7 +51,7 @@ from .common import (
 # (bench/NOTES.md); bench/kernel_tuning.py times both and sweeps the chunk and width.
 ROW_MAX = 16384  # the largest pool it selects from
 ROW_MIN_ROWS = 64  # (batch x KV heads) rows from which it is the default
-ROW_CHUNK, ROW_WARPS = 2048, 16  # its passes' step (4 candidates a thread) and width
+ROW_CHUNK, ROW_WARPS = 2048, 16  # its passes' step (4 candidates a thread; `_take` counts a step in 16 bits) and width
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
 WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
 WIN_BLOCK = tl.constexpr(256)
@@ -761,9 +761,10 @@ def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, mass=1
     dev = positions.device
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     keys = torch.empty(R, N, dtype=torch.int16, device=dev)
-    ckeys = torch.empty(R, k, dtype=torch.int16, device=dev) if mass < 1 else keys
+    ckeys = torch.empty(R, k if mass < 1 else 1, dtype=torch.int16, device=dev)  # the trim's keys of the list
     ma = MaskView(mask, Hkv, positions)
     chunk = min(ROW_CHUNK, pow2(N))
+    assert chunk < 1 << 15, "`_take` packs a step's two counts in 16 bits each"
     if logits is None:
         scr, pm, pl, G, G_PAD, splits = src, src, src, 1, 1, 1
     else:
@@ -792,7 +793,10 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     R = B * Hkv
     dev = scores.device
     trim = mass < 1
-    by_row = k_inner is not None and _by_rows(R, k, row)
+    if k_inner is not None and trim:
+        raise ValueError("select: a nested selection (k_inner) takes no mass < 1 (its proposal keeps the full budget)")
+    # the inner list by one program a row reads the key of each pool entry at its cache slot: slots, not a pool's indices
+    by_row = k_inner is not None and positions is None and _by_rows(R, k, row)
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
