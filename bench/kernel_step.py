@@ -149,9 +149,8 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_int2_scores_kernel": R * n * (D // 4 + 4 * (D // 32) + 4),  # codes, fp16 scale/zero, fp32 score
         "_score_keys_kernel": R * n * (4 + 2) + B * n,
         "_mass_logits_kernel": R * P * (2 * D + 8 + 4 * HQ // HKV),  # pool K rows, positions, logits scratch
-        # a refined layer's (3 of a group's 4 launches): positions twice, mask, logits, its keys written and read 3 times
-        # (a proposal's inner list gathers 2-byte keys instead of the logits and the mask); the list written
-        "_row_select_kernel": R * P * (4 + 4 + 1 + 4 * HQ // HKV + 2 + 3 * 2) + R * K * 4,
+        # a proposal's inner list: the pool's positions twice, its keys gathered, written and read 3 times; the list
+        "_row_select_kernel": R * P * (4 + 4 + 2 + 2 + 3 * 2) + R * K * 4,
         "_sparse_attn_kernel": R * K * (2 * 2 * D + 4),  # gathered K and V rows, indices
         "_combine_kernel": B * HQ * D * 2,
     }

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Launch-knob sweep of the decode-step kernels on one GPU, checked against the reference first.
 
-For each kernel (hash_select, select_topk over float scores, mass_select at mass 1 and 0.95 by one
-program a row and by the passes, int2_scores, sparse_decode_attention)
+For each kernel (hash_select, select_topk over float scores and nested (the inner list by one
+program a row and by the passes), mass_select at mass 1 and 0.95, int2_scores,
+sparse_decode_attention)
 and each shape (context x batch; Hq=32, Hkv=8, D=128, bf16, budget 4096 + 128 + 128, pool 4 x
 4096) it times every configuration of its launch knobs by CUDA-graph replay over 4 distinct layers
 (so replays do not find the last layer's data in L2), and reports the best with its bytes and the
@@ -130,8 +131,6 @@ def check_correctness() -> list[str]:
         r = ref.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass)
         a = S.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass=mass)
         out.append(f"mass_select mass={mass}: {'exact' if torch.equal(a, r) else 'MISMATCH ' + str(int((a != r).sum()))}")
-        p = S.mass_select(qm, kq, None, mask, pool, pos, 256, SINK, LOCAL, start, mass=mass, row=False)
-        out.append(f"mass_select mass={mass} row vs passes: {'exact' if torch.equal(a, p) else 'MISMATCH ' + str(int((a != p).sum()))}")
     b3 = ref.select_nested(sc, pos, 1024, 300, SINK, LOCAL, mask, start)
     for rows in (True, False):
         a = S.select_topk(sc, pos, 1024, SINK, LOCAL, mask, None, start, k_inner=300, row=rows)
@@ -247,18 +246,14 @@ def main() -> None:
                                                                            pools[0], None, **cfg_in))
         if want("mass"):
             for mass in (1.0, 0.95):  # a refined layer's selection: the pool's mass, its top budget, trimmed
-                for how, space in (("row", ROW_SPACE),  # one program a row, or the passes over many
-                                   ("passes", dict(row=[False], block=[1024, 4096], warps=[4, 8], waves=[4, 8],
-                                                   level_bits=[8], cap=[16, 64]))):
-                    record(f"mass_select_{mass}_{how}", sweep(f"mass_select {how} {mass}", space,
-                        lambda **c: per_layer(lambda i, c=rows_at(**c): S.mass_select(
-                            st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET, SINK, LOCAL, None, mass=mass, **c)),
-                        R * pool_n * (4 + 2 * D + 8 * (HQ // HKV) + 4) * nl, copy, res["rows"], shape))
-                    if mass == 1.0:
-                        cfg = rows_at(**best[f"mass_select_{mass}_{how}"]["config"])
-                        profile[f"mass_select_{how}"] = benchlib.kernel_times(lambda: S.mass_select(
-                            st.q[0], st.k[0], None, st.mask, pools[0], st.pos, BUDGET, SINK, LOCAL, None, **cfg))
-                    rows_at()
+                record(f"mass_select_{mass}", sweep(f"mass_select {mass}", dict(
+                    block=[1024, 4096], warps=[4, 8], waves=[4, 8], level_bits=[8], cap=[16, 64]),
+                    lambda **c: per_layer(lambda i: S.mass_select(st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET,
+                                                                  SINK, LOCAL, None, mass=mass, **c)),
+                    R * pool_n * (4 + 2 * D + 8 * (HQ // HKV) + 4) * nl, copy, res["rows"], shape))
+            cfg = best["mass_select_1.0"]["config"]
+            profile["mass_select"] = benchlib.kernel_times(lambda: S.mass_select(
+                st.q[0], st.k[0], None, st.mask, pools[0], st.pos, BUDGET, SINK, LOCAL, None, **cfg))
             if old is not None:
                 best["mass_select_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.mass_select(
                     st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET, SINK, LOCAL, None))) / nl)
@@ -292,7 +287,7 @@ def main() -> None:
     res["wall_s"] = time.perf_counter() - T0
     benchlib.save(ARGS.out, stem, res)
     print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
-          f"{'n.row':>7} {'n.pass':>7} {'old':>7} {'inpool':>7} {'m.row':>7} {'m.pass':>7} {'old':>7} {'m.95row':>7} {'attn':>7} "
+          f"{'n.row':>7} {'n.pass':>7} {'old':>7} {'inpool':>7} {'mass':>7} {'old':>7} {'mass.95':>7} {'attn':>7} "
           f"{'old':>7}   (us per layer)")
     for b in res["best"]:
         def us(key):
@@ -300,8 +295,8 @@ def main() -> None:
         print(f"{b['context']:>7} {b['batch']:>3} {us('dense_sdpa'):>8} {us('hash_select'):>9} {us('hash_select_old'):>7} "
               f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} "
               f"{us('select_nested_row'):>7} {us('select_nested_passes'):>7} {us('select_nested_old'):>7} "
-              f"{us('select_in_pool'):>7} {us('mass_select_1.0_row'):>7} {us('mass_select_1.0_passes'):>7} "
-              f"{us('mass_select_old'):>7} {us('mass_select_0.95_row'):>7} {us('attention'):>7} "
+              f"{us('select_in_pool'):>7} {us('mass_select_1.0'):>7} "
+              f"{us('mass_select_old'):>7} {us('mass_select_0.95'):>7} {us('attention'):>7} "
               f"{us('attention_old'):>7}")
     print(f"wall {res['wall_s']:.0f} s")
 

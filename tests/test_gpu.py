@@ -22,10 +22,10 @@ KERNELS = {
     # layers 0, 2 propose (INT2 write, scan, the pool and its budget in one selection), 1, 3 refine (mass over the pool, one selection)
     "prism-g2": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 4, "_select_kernel": 4,
                  "_mass_logits_kernel": 2, "_sparse_attn_kernel": 4},
-    # the same where one program a row selects from each pool (the default from 64 rows; this model has 4): the
-    # proposal's budget from its pool's keys, the refined layers' choice from their masses
-    "prism-g2 rows": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 2, "_select_kernel": 2,
-                      "_mass_logits_kernel": 2, "_row_select_kernel": 4, "_sparse_attn_kernel": 4},
+    # the same where one program a row takes a proposal's budget from its pool's keys (the default from 128 rows;
+    # this model has 4)
+    "prism-g2 rows": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 4, "_select_kernel": 4,
+                      "_mass_logits_kernel": 2, "_row_select_kernel": 2, "_sparse_attn_kernel": 4},
 }
 
 

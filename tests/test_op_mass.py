@@ -80,10 +80,9 @@ def test_mass_scores_sum_per_head_softmax_over_readable_candidates():
 # ------------------------------------------------------------------------------ mass_select
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("budget", [20, 200])  # ties at the edge of a budget; a budget over the whole pool
-@pytest.mark.parametrize("row", [True, False])  # one program a row, or the key, level and select passes
-def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget, row):
+def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget):
     """A refined layer's fused selection equals select_topk over mass_scores' output, kernels and
-    reference alike: it computes each candidate's mass exactly as mass_scores would."""
+    reference alike: its key pass computes each candidate's mass exactly as mass_scores would."""
     g = gen(60 + len(mask_kind) + budget)
     B, Hkv, G, L, D = 2, 2, 4, 300, 32
     q = randn(B, Hkv * G, 1, D, g=g) * 2
@@ -94,7 +93,7 @@ def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget, row):
     positions = positions.to(DEV)
     pos, start = torch.tensor([279, 280], device=DEV), torch.tensor([0, 3], dtype=torch.int32, device=DEV)
     with poisoned():
-        got = K.mass_select(q, k, 0.3, mask, positions, pos, budget, 4, 8, start, row=row, block=64, waves=64).cpu()
+        got = K.mass_select(q, k, 0.3, mask, positions, pos, budget, 4, 8, start, block=64, waves=64).cpu()
     assert (got != SENTINEL).all(), "an output slot was never written"
     mass = K.mass_scores(q, k, 0.3, mask, positions)
     assert torch.equal(got, K.select_topk(mass, pos, budget, 4, 8, mask, positions, start).cpu())
@@ -108,8 +107,7 @@ def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget, row):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("row", [True, False])
-def test_mass_select_real_shapes(row):
+def test_mass_select_real_shapes():
     """A refined layer at 128K: a pool of 16384, budget 4096, bf16 (Llama-3.1-8B's heads)."""
     g = gen(61)
     B, Hkv, G, L, D, P = 2, 8, 4, 131072, 128, 16384
@@ -119,7 +117,7 @@ def test_mass_select_real_shapes(row):
     positions = positions.sort(-1).values.to(torch.int32).to(DEV)
     pos = torch.tensor([L - 5], device=DEV)
     mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device=DEV)
-    got = K.mass_select(q, k, None, mask, positions, pos, 4096, 128, 128, row=row)
+    got = K.mass_select(q, k, None, mask, positions, pos, 4096, 128, 128)
     want = K.select_topk(K.mass_scores(q, k, None, mask, positions), pos, 4096, 128, 128, mask, positions)
     # the same mass but for the order of a G-term sum: a key on a bf16 rounding edge may differ
     assert (got != want).float().mean().item() < 1e-3

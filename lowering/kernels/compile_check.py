@@ -119,11 +119,9 @@ def _scenarios():
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)
     pool16 = torch.zeros(B, Hkv, 16384, dtype=torch.int32)
-    yield "mass_select row 16K", lambda: K.mass_select(q, k, None, mask_b[:, :1], pool16, pos, 4096, 128, 128, row=True)
-    yield "mass_select row 16K trim", lambda: K.mass_select(q, k, None, mask_b, pool16, pos, 4096, 128, 128,
-                                                            torch.zeros(B, dtype=torch.int32), mass=0.95, row=True)
-    yield "mass_select passes", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128, row=False)
-    yield "mass_select row 4K", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128, row=True)
+    yield "mass_select 16K", lambda: K.mass_select(q, k, None, mask_b[:, :1], pool16, pos, 4096, 128, 128)
+    yield "mass_select 16K trim", lambda: K.mass_select(q, k, None, mask_b, pool16, pos, 4096, 128, 128,
+                                                        torch.zeros(B, dtype=torch.int32), mass=0.95)
     pool64k = torch.zeros(B, Hkv, 65536, dtype=torch.int64)  # beyond one program a row: the passes, then the trim kernel
     yield "mass_select trimmed", lambda: K.mass_select(q, k, None, mask_f, pool64k, pos, 16384, 128, 128, mass=0.9)
     yield "select_topk uint8", lambda: K.select_topk(torch.zeros(B, Hkv, L, dtype=torch.uint8), pos, 256, 128, 128, mask_b)

@@ -46,12 +46,12 @@ from .common import (
     mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
-# `_row_select_kernel`, one program a row, walks its pool serially, so it pays where rows alone fill
-# the GPU; with few rows, many programs a row (the passes) spread it. Predicted, not yet timed
-# (bench/NOTES.md); bench/kernel_tuning.py times both and sweeps the chunk and width.
+# `_row_select_kernel`, one program a row, walks its pool serially, so it pays only where rows alone
+# fill the GPU; with few rows, many programs a row (the passes) spread it. bench/kernel_tuning.py times
+# both (2026-12-01, H200, 128K: 7% faster at 128 rows, 2x slower at 8 and 32; bench/NOTES.md).
 ROW_MAX = 16384  # the largest pool it selects from
-ROW_MIN_ROWS = 64  # (batch x KV heads) rows from which it is the default
-ROW_CHUNK, ROW_WARPS = 2048, 16  # its passes' step (4 candidates a thread; `_take` counts a step in 16 bits) and width
+ROW_MIN_ROWS = 128  # (batch x KV heads) rows from which it is the default
+ROW_CHUNK, ROW_WARPS = 4096, 16  # its passes' step (8 candidates a thread; `_take` counts a step in 16 bits) and width
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
 WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
 WIN_BLOCK = tl.constexpr(256)
@@ -529,62 +529,41 @@ def _trim_kernel(
 
 
 # ------------------------------------------------------------------------------ one program a row
-ROW_MASS, ROW_KEYS = 0, 1  # what `_row_select_kernel` ranks the pool by
-
-
 @triton.jit
 def _row_select_kernel(
-    scr_ptr, pm_ptr, pl_ptr, src_ptr, keys_ptr, ckey_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, out_ptr,
-    p_mass, Hkv, N, NK, L, sink, local, K, min_half, NSPLIT,
+    src_ptr, keys_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, out_ptr,
+    Hkv, N, NK, L, sink, local, K, min_half,
     spb, sph, spn, smb, smh, sml, sob, soh, sok,
     CHUNK: tl.constexpr,  # candidates per step of each pass (loops, not unrolled: one chunk in registers)
-    KIND: tl.constexpr,  # ROW_MASS: mass_scores from the logits scratch [R, G, N] and its split statistics;
-                         # ROW_KEYS: the keys a key pass wrote to src [R, NK], at each candidate's position
-    KEY_BITS: tl.constexpr,  # 16, or 8 (ROW_KEYS of Hamming similarities): one histogram level
-    G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,  # ROW_MASS: query heads and the logits stage's splits
+    KEY_BITS: tl.constexpr,  # 16, or 8 (Hamming similarities): one histogram level
     HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
-    TRIM: tl.constexpr,  # ROW_MASS, mass < 1: trim the choice to p_mass of the candidates' mass
 ):
-    """select_topk of one row's pool (`pos` [B,Hkv,N], candidate order) in one program, so one
-    launch does what the key, level and select passes (and the trim kernel) do over many programs:
-    every candidate's key into this row's keys scratch [R, N]; the row's level-0 counts; the
-    level-1 counts under the k-th key's top byte; the taken keys placed in candidate order with the
-    select pass's rule (`_take`); the window; the trim. Each pass walks the pool CHUNK keys at a
-    time (the scratch stays in cache), so registers hold one chunk, not the pool. Its uses: a
-    refined layer's mass_select (ROW_MASS), or a proposal's inner list, the best of its pool by the
-    keys the pool's own selection ranked (ROW_KEYS; reference.select_nested). The ranking reads
-    only the scratch: the mask, logits and statistics feed stored keys, never an address, so
-    Inductor sees none of them written."""
+    """A nested selection's inner list (reference.select_nested) in one program a row: the best K
+    of the row's pool (`pos` [B,Hkv,N], candidate order) by the keys its own key pass wrote to src
+    [R, NK] at each candidate's cache slot. The keys gathered into this row's scratch [R, N]; the
+    level-0 counts; the level-1 counts under the k-th key's top byte; the taken placed in candidate
+    order by the select pass's rule (`_take`); the window. Each pass walks the pool CHUNK keys at
+    a time (the scratch stays in cache). One launch for the level and select passes that would
+    otherwise count both lists: 7% faster at 128K, batch 16 (128 rows), twice as slow at batch 1
+    and 4, where too few rows fill the GPU (bench/NOTES.md), hence `_by_rows`."""
     r = tl.program_id(0)
     b, h = row_of(r, Hkv)
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
     pos_row = pos_ptr + b * spb + h * sph
     keys_row = keys_ptr + r.to(tl.int64) * N
-    ckey_row = ckey_ptr + r.to(tl.int64) * K
-    mask_b = mask_ptr + b * smb
-    # every candidate's key (0: not a candidate)
-    if KIND == 0:
-        top, inv = row_stats(pm_ptr, pl_ptr, r, NSPLIT, G, G_PAD, S_PAD)
+    # every candidate's key: a pool's are eligible, > 0 (the key pass wrote 0 for the others)
     c0 = 0
     while c0 < N:
         o = c0 + tl.arange(0, CHUNK)
         ok = o < N
         cand = tl.load(pos_row + o * spn, mask=ok, other=-1).to(tl.int32)
-        if KIND == 0:
-            elig = eligible(cand, ok, first, now, sink, local, mask_b, h, L, min_half, smh, sml, HAS_MASK, MASK_BOOL,
-                            MASK_HEADS)
-            s = group_mass(scr_ptr + r.to(tl.int64) * G * N, o, ok, N, top, inv, G, G_PAD)
-            key = tl.where(elig & (s == s) & (s > float("-inf")), float_key16(s), 0)
-        else:  # a pool's candidates are eligible, their keys > 0 (the key pass wrote 0 for the others)
-            key = tl.load(src_ptr + r.to(tl.int64) * NK + cand, mask=ok & (cand >= 0), other=0).to(tl.int32)
-            key = key & ((1 << KEY_BITS) - 1)
-        tl.store(keys_row + o, key.to(keys_row.dtype.element_ty), mask=ok)
+        key = tl.load(src_ptr + r.to(tl.int64) * NK + cand, mask=ok & (cand >= 0), other=0).to(tl.int32)
+        tl.store(keys_row + o, (key & ((1 << KEY_BITS) - 1)).to(keys_row.dtype.element_ty), mask=ok)
         c0 += CHUNK
     tl.debug_barrier()  # every thread reads keys other threads stored
-    # level 0: how many to take, the top byte of the k-th key (and the candidates' mass)
+    # level 0: how many to take, the top byte of the k-th key
     eligible_n = tl.zeros([], tl.int32)
     hist = tl.zeros([256], tl.int32)
-    total = tl.zeros([], tl.float32)
     c0 = 0
     while c0 < N:
         o = c0 + tl.arange(0, CHUNK)
@@ -592,8 +571,6 @@ def _row_select_kernel(
         eligible_n += tl.sum((key > 0).to(tl.int32), axis=0)
         if KEY_BITS == 16:
             hist += tl.histogram(key >> 8, 256, mask=key > 0)
-        if TRIM:
-            total += tl.sum(key_mass(key), axis=0)
         c0 += CHUNK
     need = tl.minimum(eligible_n, K)
     t1, above = tl.zeros([], tl.int32), tl.zeros([], tl.int32)
@@ -622,14 +599,11 @@ def _row_select_kernel(
         o = c0 + tl.arange(0, CHUNK)
         key = tl.load(keys_row + o, mask=o < N, other=0).to(tl.int32) & 0xFFFF
         cand = tl.load(pos_row + o * spn, mask=key > 0, other=-1)
-        a_run, t_run, _ = _take(key > thr, key == thr, cand, out_row, sok, c, a_run, t_run, key, ckey_row, TRIM)
+        a_run, t_run, _ = _take(key > thr, key == thr, cand, out_row, sok, c, a_run, t_run, key, keys_row, False)
         c0 += CHUNK
-    _window(row, sok, row, sok, first, now, sink, local, mask_b, h, L, min_half, smh, sml,
+    _window(row, sok, row, sok, first, now, sink, local, mask_ptr + b * smb, h, L, min_half, smh, sml,
             HAS_MASK, MASK_BOOL, MASK_HEADS, False)
     _pad(out_row, sok, need, K)
-    if TRIM:  # the list compacted to the fewest keys holding p_mass of the candidates' mass
-        tl.debug_barrier()  # the list and its keys, stored by every thread
-        _trim_list(out_row, out_row, sok, ckey_row, K, p_mass * total, CHUNK)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -734,48 +708,36 @@ def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local
     )
 
 
-def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, row=None, block=BLOCK,
-                warps=4, waves=WAVES, level_bits=LEVEL_BITS, cap=None):
-    """reference.mass_select: select_topk of the pool `positions` by mass_scores, each candidate's
-    mass computed from the logits stage's scratch (never written out): by one program a row
-    (`_row_select_kernel` where `_by_rows`; row=True / False force it), else by the key, level and
-    select passes over many."""
+def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, block=BLOCK, warps=4,
+                waves=WAVES, level_bits=LEVEL_BITS, cap=None):
+    """reference.mass_select: select_topk of the pool `positions` by mass_scores, the key pass
+    computing each candidate's mass from the logits stage's scratch (no mass written or read)."""
     B, Hkv, N = positions.shape
     if B * Hkv * N == 0:  # no logits to take (an empty pool still has its window)
         empty = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         return _select(empty, empty.stride(), SCORE_KIND[empty.dtype], None, B, Hkv, N, pos, budget, sink, local, mask,
                        positions, start, block, warps, waves, level_bits, cap, None, mass)
     lg = mass_logits(q, k, scale, mask, positions)
-    if _by_rows(B * Hkv, N, row):
-        return _row_select(None, B, Hkv, pos, budget, sink, local, mask, positions, start, mass, logits=lg)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
                    start, block, warps, waves, level_bits, cap, None, mass)
 
 
-def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, mass=1.0, logits=None, key_bits=16):
-    """select_topk of the pool `positions` [B,Hkv,N] by `_row_select_kernel`, one program a row:
-    by mass from `logits` (what mass_logits left; `src` None), else by the keys [R, L] a key pass
-    wrote to `src` (`key_bits` wide)."""
+def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, key_bits):
+    """select_topk of the pool `positions` [B,Hkv,N] by the keys [R, L] a key pass wrote to `src`
+    (`key_bits` wide), by `_row_select_kernel`: one program a row."""
     B, Hkv, N = positions.shape
     R = B * Hkv
-    dev = positions.device
-    out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
-    keys = torch.empty(R, N, dtype=torch.int16, device=dev)
-    ckeys = torch.empty(R, k if mass < 1 else 1, dtype=torch.int16, device=dev)  # the trim's keys of the list
+    out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=positions.device)
+    keys = torch.empty(R, N, dtype=torch.int16, device=positions.device)
     ma = MaskView(mask, Hkv, positions)
     chunk = min(ROW_CHUNK, pow2(N))
     assert chunk < 1 << 15, "`_take` packs a step's two counts in 16 bits each"
-    if logits is None:
-        scr, pm, pl, G, G_PAD, splits = src, src, src, 1, 1, 1
-    else:
-        src, scr, pm, pl, G, G_PAD, splits = keys, logits.scratch, logits.pm, logits.pl, logits.G, logits.G_PAD, logits.splits
     torch.library.wrap_triton(_row_select_kernel)[(R,)](
-        scr, pm, pl, src, keys, ckeys, positions, pos[-1:], start if start is not None else pos, ma.tensor, out,
-        float(mass), Hkv, N, src.shape[-1], ma.tensor.shape[-1] if ma.present else 1, sink, local, k, ma.min_half, splits,
+        src, keys, positions, pos[-1:], start if start is not None else pos, ma.tensor, out,
+        Hkv, N, src.shape[-1], ma.tensor.shape[-1] if ma.present else 1, sink, local, k, ma.min_half,
         *positions.stride(), ma.sb, ma.sh, ma.sl, *out.stride(),
-        CHUNK=chunk, KIND=ROW_KEYS if logits is None else ROW_MASS,
-        KEY_BITS=key_bits, G=G, G_PAD=G_PAD, S_PAD=pow2(splits), HAS_START=start is not None, HAS_MASK=ma.present,
-        MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, TRIM=mass < 1,
+        CHUNK=chunk, KEY_BITS=key_bits, HAS_START=start is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool,
+        MASK_HEADS=ma.heads,
         num_warps=ROW_WARPS,
     )
     return out
@@ -828,7 +790,7 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
         run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
                    None if k_inner is None or by_row else (k_inner, out_in))
         if by_row:
-            out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start)
+            out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start, 16)
         return out if k_inner is None else (out, out_in)
     chosen = torch.empty_like(out)
     ckeys = torch.empty(R, k, dtype=torch.int16, device=dev)
@@ -893,5 +855,5 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps,
                None if k_inner is None or by_row else (k_inner, out_in))
     if by_row:
-        out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start, key_bits=key_bits)
+        out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start, key_bits)
     return out if k_inner is None else (out, out_in)
