@@ -33,9 +33,11 @@ def _compile_check(*flags: str) -> str:
 
 
 # Stack frames (spilled registers) measured 2026-12-01 on paths off the Llama-shaped decode step:
-# the fp32-query and head-dim-256 INT2 scans. A kernel may not spill more than this, and every other
+# the fp32-query and head-dim-256 INT2 scans, and the trim of a 16384-token budget (its list in
+# registers, 16 slots a thread of 32 warps). A kernel may not spill more than this, and every other
 # kernel not at all.
-KNOWN_STACK = {("int2_scores fp32", "_int2_scores_kernel"): 5216, ("int2 d256 g8 fp16", "_int2_scores_kernel"): 104}
+KNOWN_STACK = {("int2_scores fp32", "_int2_scores_kernel"): 5216, ("int2 d256 g8 fp16", "_int2_scores_kernel"): 104,
+               ("mass_select trimmed", "_trim_kernel"): 112}
 
 
 @needs_tools

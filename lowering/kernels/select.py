@@ -463,60 +463,30 @@ def _select_kernel(
 
 
 # ------------------------------------------------------------------------------ adaptive budget
-TRIM_STEP = 2048  # list slots a step of the trim reads (registers for a step, not the list)
-
-
 @triton.jit
-def _trim_list(src_row, dst_row, sok, ckey_row, K, goal, STEP: tl.constexpr):
-    """reference.trim_to_mass of one chosen list: src_row its K slots after the window (-1 past the
-    chosen), ckey_row their keys. Keeps the fewest, largest mass first, whose mass reaches `goal`:
-    the largest key t whose chosen at or above it hold the goal (a monotone predicate, its bits set
-    from the top; key 32768 is mass 0), every chosen at or above t staying (all when even all fall
-    short or there is no mass), compacted in list order into dst_row, -1 after. STEP slots at a
-    time; dst_row may be src_row (each step is read by every thread before any writes it)."""
-    held = tl.zeros([], tl.float32)
-    j0 = 0
-    while j0 < K:
-        j = j0 + tl.arange(0, STEP)
-        cand = tl.load(src_row + j * sok, mask=j < K, other=-1)
-        held += tl.sum(key_mass(tl.load(ckey_row + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF), axis=0)
-        j0 += STEP
+def mass_cut(key, v, goal):
+    """The trim's key threshold over chosen keys (0 elsewhere) and their masses v: the largest key t
+    whose chosen at or above it hold `goal` (a monotone predicate: its bits set from the top; key
+    32768 is mass 0), or 0 (all stay) when even all fall short or there is no mass."""
+    reached = (tl.sum(v, axis=0) >= goal) & (goal > 0)
     t = tl.full([], 32768, tl.int32)
     for bit in tl.static_range(15):
         trial = t | (1 << (14 - bit))
-        acc = tl.zeros([], tl.float32)
-        j0 = 0
-        while j0 < K:
-            j = j0 + tl.arange(0, STEP)
-            cand = tl.load(src_row + j * sok, mask=j < K, other=-1)
-            key = tl.load(ckey_row + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF
-            acc += tl.sum(tl.where(key >= trial, key_mass(key), 0.0), axis=0)
-            j0 += STEP
-        t = tl.where(acc >= goal, trial, t)
-    cut = tl.where((held >= goal) & (goal > 0), t, 0)
-    kept = tl.zeros([], tl.int32)
-    j0 = 0
-    while j0 < K:
-        j = j0 + tl.arange(0, STEP)
-        cand = tl.load(src_row + j * sok, mask=j < K, other=-1)
-        keep = (cand >= 0) & ((tl.load(ckey_row + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF) >= cut)
-        tl.debug_barrier()  # this step read by every thread before any overwrites it (slots only move left)
-        ones = keep.to(tl.int32)
-        tl.store(dst_row + (kept + tl.cumsum(ones, 0) - ones) * sok, cand, mask=keep)
-        kept += tl.sum(ones, axis=0)
-        j0 += STEP
-    _pad(dst_row, sok, kept, K)
+        t = tl.where(tl.sum(tl.where(key >= trial, v, 0.0), axis=0) >= goal, trial, t)
+    return tl.where(reached, t, 0)
 
 
 @triton.jit
 def _trim_kernel(
     sel_ptr, ckey_ptr, tot_ptr, out_ptr, p, Hkv, WIN, K, PROGS,
     sob, soh, sok,
-    W_PAD: tl.constexpr, P_PAD: tl.constexpr, STEP: tl.constexpr,
+    K_PAD: tl.constexpr, W_PAD: tl.constexpr, P_PAD: tl.constexpr,
 ):
-    """One row of a selection trimmed to p of its candidates' mass (`_trim_list`): sel
+    """One row of a selection trimmed to p of its candidates' mass (reference.trim_to_mass): sel
     [B,Hkv,WIN+K] the select pass's list, ckey [R,K] the keys it took, tot [R,PROGS] the key
-    pass's chunk masses; writes out (sel's shape and strides)."""
+    pass's chunk masses; writes out (sel's shape and strides). The list is held in registers (the
+    launcher widens the program with K) and cut by 15 reductions over it: a walk over the list in
+    steps, loading it again for each of them, took 20 us a row (bench/NOTES.md)."""
     r = tl.program_id(0)
     b, h = row_of(r, Hkv)
     sel_row = sel_ptr + b * sob + h * soh
@@ -525,7 +495,15 @@ def _trim_kernel(
     tl.store(out_row + w * sok, tl.load(sel_row + w * sok, mask=w < WIN), mask=w < WIN)
     pp = tl.arange(0, P_PAD)
     goal = p * tl.sum(tl.load(tot_ptr + r * PROGS + pp, mask=pp < PROGS, other=0.0), axis=0)
-    _trim_list(sel_row + WIN * sok, out_row + WIN * sok, sok, ckey_ptr + r.to(tl.int64) * K, K, goal, STEP)
+    j = tl.arange(0, K_PAD)
+    cand = tl.load(sel_row + (WIN + j) * sok, mask=j < K, other=-1)
+    key = tl.load(ckey_ptr + r.to(tl.int64) * K + j, mask=cand >= 0, other=0).to(tl.int32) & 0xFFFF
+    keep = (cand >= 0) & (key >= mass_cut(key, key_mass(key), goal))
+    ones = keep.to(tl.int32)
+    slot = tl.cumsum(ones, 0) - ones
+    kept = tl.sum(ones, axis=0)
+    tl.store(out_row + (WIN + slot) * sok, cand, mask=keep)
+    tl.store(out_row + (WIN + j) * sok, tl.full([K_PAD], -1, tl.int32), mask=(j < K) & (j >= kept))
 
 
 # ------------------------------------------------------------------------------ one program a row
@@ -797,8 +775,8 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     run_select(keys, cum, pos, k, sink, local, ma, positions, start, chosen, progs, 16, level_bits, block, warps, ckeys=ckeys)
     torch.library.wrap_triton(_trim_kernel)[(R,)](
         chosen, ckeys, tot, out, mass, Hkv, sink + local, k, progs, *out.stride(),
-        W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs), STEP=min(TRIM_STEP, pow2(k)),
-        num_warps=8,
+        K_PAD=pow2(k), W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs),
+        num_warps=min(32, max(4, pow2(k) // 512)),  # 16 list slots a thread: the list, its keys and masses fit
     )
     return out
 
