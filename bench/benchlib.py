@@ -64,6 +64,7 @@ def header(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "versions": {"python": platform.python_version(), **{d: _version(d) for d in ("torch", "triton", "transformers")}},
         "commit": _commit(),
+        "source": source_hash(),
     }
 
 
@@ -86,6 +87,19 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def source_hash(root: Path = ROOT) -> str:
+    """sha1 (12 hex digits) of the package's and the benches' Python sources, by path: names the
+    tree measured where the commit cannot (a GPU machine's copy of the working tree carries the
+    .git of the session's start, so its HEAD is not what ran); computed again on a clean checkout
+    of a commit, it says whether that commit is what ran."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for f in sorted(p for d in ("sparse_fx", "lowering", "runtime", "bench") for p in (root / d).rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _commit() -> str | None:

@@ -250,16 +250,21 @@ def markdown(res: dict) -> str:
                   f"{res['config']['budget']}): "
                   + "; ".join(f"{p} at {r['context']} B{r['batch']}: {r[p]['refined_kept']:.0f}" for r in res["rows"]
                               for p in adaptive)]
-    lines += ["", "Per kernel (us per layer, bytes it must move, achieved GB/s, share of the copy bandwidth):", "",
-              "| context | batch | plan | kernel | launches | us | MB | GB/s | of copy |", "|---|---|---|---|---|---|---|---|---|"]
+    read = res.get("bandwidth_gbps", {}).get("read")  # results before the read stream have none
+    lines += ["", "Per kernel (us per layer, bytes it must move, achieved GB/s, share of the SM copy's bandwidth and"
+              + (f" of the read stream's, {read:.0f} GB/s; a kernel that mostly reads can pass the copy" if read else "")
+              + "):", "",
+              "| context | batch | plan | kernel | launches | us | MB | GB/s | of copy | of read |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         for plan in (p for p in PLANS if p in r):
             for k in r[plan]["kernels"]:
                 mb = f"{k['bytes'] / 1e6:.1f}" if "bytes" in k else "-"
                 gb = f"{k['gbps']:.0f}" if "gbps" in k else "-"
                 frac = f"{100 * k['copy_fraction']:.0f}%" if "copy_fraction" in k else "-"
+                of_read = f"{100 * k['gbps'] / read:.0f}%" if read and "gbps" in k else "-"
                 lines.append(f"| {r['context']} | {r['batch']} | {plan} | {k['kernel']} | {k['launches']:.2f} | "
-                             f"{k['us']:.1f} | {mb} | {gb} | {frac} |")
+                             f"{k['us']:.1f} | {mb} | {gb} | {frac} | {of_read} |")
     return "\n".join(lines) + "\n"
 
 

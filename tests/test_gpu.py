@@ -189,7 +189,11 @@ def test_prompts_of_many_lengths_under_cuda_graphs():
 
 def test_prefill_costs_what_the_dense_models_costs():
     """Time to first token: prefill runs the model's own attention (flash, causal), plus the side
-    caches of the prompt; at 8K tokens it costs at most 10% more than the dense model's."""
+    caches of the prompt; at 8K tokens it costs at most 10% more than the dense model's, plus a
+    fixed host cost a layer for the side-cache fill (its eager launches: ~0.15 ms of CPU each,
+    0.66 ms for this toy's 4 layers against ~0.1 ms of GPU work, bench/NOTES.md; on a real model
+    it is noise, TTFT within 1.005x at 32K-128K). The fault this guards against, a prefill that
+    left the causal fast path, cost 3x."""
     from transformers import StaticCache
 
     base = tiny_model("llama", layers=4, heads=16, kv_heads=4, hidden_size=1024, head_dim=64, intermediate_size=2048,
@@ -213,7 +217,8 @@ def test_prefill_costs_what_the_dense_models_costs():
         model = sparse_fx.compile(copy.deepcopy(base), plan)
         sparse = prefill_ms(model)
         assert sparse_state(model).reports == [], "prefill compiled a graph"
-        assert sparse <= 1.10 * dense + 0.5, f"{plan}: prefill {sparse:.1f} ms vs dense {dense:.1f} ms"
+        assert sparse <= 1.10 * dense + 0.25 * base.config.num_hidden_layers, \
+            f"{plan}: prefill {sparse:.1f} ms vs dense {dense:.1f} ms"
 
 
 def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
