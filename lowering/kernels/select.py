@@ -31,6 +31,8 @@ the inner selection is the best k_inner of the pool by the same keys, so the key
 level-0 counts serve both; the deeper levels count twice (each its own prefix, into a second
 `cum`), and the select pass writes both lists from one read of the keys. Where both cuts fall on
 the same key, the inner list spreads its ties over the pool's taken ties, not over all of them.
+From 128 rows the passes select the pool alone and one program a row takes the inner list from
+the pool's keys (`_row_select_kernel`, the same choice; faster only where rows fill the GPU).
 """
 
 from __future__ import annotations
