@@ -633,13 +633,18 @@ def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, 
 
 
 def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps,
-               inner=None, ckeys=None):
+               inner=None, ckeys=None, row=None):
     """The deeper histogram levels and the select pass over the keys (and level-0 counts in
     `cum`) a key pass wrote, with the same `block` and `progs`: every pass cuts the same chunks.
-    inner: (k_inner, its output) for a nested selection (`cum` then holds a second set of levels).
+    inner: (k_inner, its output) for a nested selection (`cum` then holds a second set of levels,
+    `_counts(nested=True)`), its inner list by one program a row over the list's keys where
+    `_by_rows` (row: None to decide, or forced), else by the passes counting both lists.
     ckeys [R, k]: where the select pass writes the keys it takes (for the trim)."""
     B, Hkv, _ = out.shape
     R, N = keys.shape
+    # one program a row reads each pool entry's key at its cache slot: slots, not a pool's indices
+    by_row = inner is not None and positions is None and _by_rows(R, k, row)
+    row_inner, inner = (inner, None) if by_row else (None, inner)
     has_pos, has_start = positions is not None, start is not None
     pos_t = positions if has_pos else keys
     sp = positions.stride() if has_pos else (0, 0, 0)
@@ -657,6 +662,8 @@ def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, o
         Hkv, N, L, sink, local, k, k_in, ma.min_half, progs,
         *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
         LEVELS=levels, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads, TRIM=ckeys is not None, **common)
+    if row_inner is not None:
+        _row_select(keys, pos, row_inner[0], sink, local, ma, out[..., sink + local:], start, key_bits, row_inner[1])
     return out
 
 
@@ -702,14 +709,12 @@ def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=No
                    start, block, warps, waves, level_bits, cap, None, mass)
 
 
-def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, key_bits):
+def _row_select(src, pos, k, sink, local, ma: MaskView, positions, start, key_bits, out) -> None:
     """select_topk of the pool `positions` [B,Hkv,N] by the keys [R, L] a key pass wrote to `src`
-    (`key_bits` wide), by `_row_select_kernel`: one program a row."""
+    (`key_bits` wide) into `out` [B,Hkv,sink+local+k], by `_row_select_kernel`: one program a row."""
     B, Hkv, N = positions.shape
     R = B * Hkv
-    out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=positions.device)
     keys = torch.empty(R, N, dtype=torch.int16, device=positions.device)
-    ma = MaskView(mask, Hkv, positions)
     chunk = min(ROW_CHUNK, pow2(N))
     assert chunk < 1 << 15, "`_take` packs a step's two counts in 16 bits each"
     torch.library.wrap_triton(_row_select_kernel)[(R,)](
@@ -720,7 +725,6 @@ def _row_select(src, B, Hkv, pos, k, sink, local, mask, positions, start, key_bi
         MASK_HEADS=ma.heads,
         num_warps=ROW_WARPS,
     )
-    return out
 
 
 def _by_rows(R: int, N: int, row) -> bool:
@@ -737,8 +741,6 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     trim = mass < 1
     if k_inner is not None and trim:
         raise ValueError("select: a nested selection (k_inner) takes no mass < 1 (its proposal keeps the full budget)")
-    # the inner list by one program a row reads the key of each pool entry at its cache slot: slots, not a pool's indices
-    by_row = k_inner is not None and positions is None and _by_rows(R, k, row)
     out = torch.empty(B, Hkv, sink + local + k, dtype=torch.int32, device=dev)
     out_in = None if k_inner is None else torch.empty(B, Hkv, sink + local + k_inner, dtype=torch.int32, device=dev)
     if R == 0:
@@ -746,7 +748,7 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16, device=dev)
-    cum = _counts(16 // level_bits, R, progs, level_bits, k_inner is not None and not by_row, dev)
+    cum = _counts(16 // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, scores)
     has_pos, has_start = positions is not None, start is not None
     pos_t = positions if has_pos else scores
@@ -768,9 +770,7 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
     )
     if not trim:
         run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
-                   None if k_inner is None or by_row else (k_inner, out_in))
-        if by_row:
-            out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start, 16)
+                   None if k_inner is None else (k_inner, out_in), row=row)
         return out if k_inner is None else (out, out_in)
     chosen = torch.empty_like(out)
     ckeys = torch.empty(R, k, dtype=torch.int16, device=dev)
@@ -820,8 +820,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
-    by_row = k_inner is not None and _by_rows(R, k, row)
-    cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None and not by_row, dev)
+    cum = _counts(key_bits // level_bits, R, progs, level_bits, k_inner is not None, dev)
     ma = MaskView(mask, Hkv, k_sig)
     torch.library.wrap_triton(_hash_keys_kernel)[(progs, R)](
         q_logits, k_sig, pos, start if start is not None else pos, ma.tensor, keys, cum,
@@ -833,7 +832,5 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
         num_warps=warps,
     )
     run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps,
-               None if k_inner is None or by_row else (k_inner, out_in))
-    if by_row:
-        out_in = _row_select(keys, B, Hkv, pos, k_inner, sink, local, mask, out[..., sink + local:], start, key_bits)
+               None if k_inner is None else (k_inner, out_in), row=row)
     return out if k_inner is None else (out, out_in)
