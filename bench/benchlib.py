@@ -264,8 +264,8 @@ def _stream_kernel():
 def stream(x, part, y=None, block: int = 4096):
     """Read x (and, given y, copy it there) with a grid-stride Triton kernel, one partial sum per
     program into `part` (its length is the grid): streaming by the SMs, as the decode kernels read.
-    (Tensor.copy_ in a CUDA graph is a memcpy node, served at ~2.7 TB/s on an H200 where SM loads
-    reach ~4.2.)"""
+    (Tensor.copy_ in a CUDA graph is a memcpy node, served at ~2.7 TB/s read + written on an H200,
+    where this copy reaches ~3.65 and this read ~4.5; bench/NOTES.md.)"""
     _stream_kernel()[(part.numel(),)](x, x if y is None else y, part, x.numel(), BLOCK=block, COPY=y is not None,
                                       num_warps=8)
 

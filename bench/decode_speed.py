@@ -3,8 +3,8 @@
 Compares, in one process and on the same KV cache contents: Hugging Face's default generate path
 (eager, DynamicCache), dense decode compiled with a static cache and CUDA graphs (HF's repeat_kv +
 masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash`, `prism-g4` and `prism-g4-hash`
-(and `prism-g4-mass0.95`: over random caches attention is near uniform, so its adaptive budget keeps
-the whole budget and the row shows what the trim costs, not what it saves).
+(and `prism-g4-mass0.95`: over random caches attention is nearly uniform, so its row shows what the
+adaptive budget's trim costs rather than what it saves).
 Decode speed does not depend on weight or cache values, so caches are filled with random keys and
 values instead of running a 128K prefill per method. Beside each step: the bytes it must read
 (weights, then K/V or side caches and selected rows) and the speed-up that bound allows.

@@ -9,6 +9,7 @@ own. Each check runs in a fresh interpreter, as a user's command would.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -75,8 +76,7 @@ def test_kernel_tuning_smoke_runs_every_sweep_and_check(tmp_path):
     """bench/kernel_tuning.py --smoke: its checks (kernels equal the reference) and one configuration
     of every sweep, against an older lowering package too, on CPU tensors under the interpreter."""
     base = tmp_path / "base"
-    base.mkdir()
-    subprocess.run(f"cp -r {ROOT / 'lowering'} {base / 'oldlowering'}", shell=True, check=True)
+    shutil.copytree(ROOT / "lowering", base / "oldlowering", ignore=shutil.ignore_patterns("__pycache__"))
     (base / "oldlowering" / "__init__.py").write_text("")  # kernels only: the ops are registered once
     r = subprocess.run([sys.executable, "bench/kernel_tuning.py", "--smoke", "--baseline", str(base), "--out", str(tmp_path)],
                        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
