@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh step     # ~3 min: the kernel roofline twice (bench/kernel_step.py), and
 #                                      #   the adaptive budget at a sharpness that lets it trim
 #   bash bench/gpu_session.sh e2e-b4   # ~8 min: end to end at 128K, batch 4, every plan (compiles ~80 s each)
-#   bash bench/gpu_session.sh e2e-b1   # ~7 min: the same at batch 1
+#   bash bench/gpu_session.sh e2e-b1   # ~8 min: the same at batch 1
 #   bash bench/gpu_session.sh tests    # ~9 min: tests/test_gpu.py
 #
 # `tune` needs the older lowering package to A/B against, made here before the call and carried:
@@ -37,8 +37,8 @@ case "${1:-}" in
     run python3 bench/decode_speed.py --shapes 131072x4 --methods dense-gqa,hash,prism-g4,prism-g4-hash,prism-g4-mass0.95 \
       --repeat 2 --out "$out" 2>&1 | tail -12 ;;
   e2e-b1)
-    run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash --repeat 2 \
-      --out "$out" 2>&1 | tail -10 ;;
+    run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash,prism-g4-mass0.95 \
+      --repeat 2 --out "$out" 2>&1 | tail -10 ;;
   tests)
     run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15 ;;
   *)
