@@ -7,8 +7,11 @@
 #                                      #   attention splits) against .scratch/base/oldlowering
 #   bash bench/gpu_session.sh step     # ~3 min: the kernel roofline twice (bench/kernel_step.py), and
 #                                      #   the adaptive budget at a sharpness that lets it trim
-#   bash bench/gpu_session.sh e2e-b4   # ~8 min: end to end at 128K, batch 4, every plan (compiles ~80 s each)
-#   bash bench/gpu_session.sh e2e-b1   # ~8 min: the same at batch 1
+#   bash bench/gpu_session.sh e2e-b4   # ~8 min: end to end at 128K, batch 4: dense, hash, prism-g4, prism-g4-hash
+#   bash bench/gpu_session.sh e2e-b1   # ~8 min: the same at batch 1 (a cold compile takes 100-130 s a plan,
+#                                      #   so a stage holds dense and three plans at most)
+#   bash bench/gpu_session.sh e2e-adaptive  # ~7 min: dense and prism-g4-mass0.95 at batch 1 and 4
+#   bash bench/gpu_session.sh compile  # ~6 min: cold compile time by phase (bench/compile_time.py)
 #   bash bench/gpu_session.sh tests    # ~9 min: tests/test_gpu.py
 #
 # `tune` needs the older lowering package to A/B against, made here before the call and carried:
@@ -34,14 +37,19 @@ case "${1:-}" in
     run python3 bench/kernel_step.py --repeat 2 --contexts 131072 --batches 1 16 --plans prism-g4 prism-g4-mass0.95 \
       --sharpness 3.25 --out "$out" | tail -4 ;;
   e2e-b4)
-    run python3 bench/decode_speed.py --shapes 131072x4 --methods dense-gqa,hash,prism-g4,prism-g4-hash,prism-g4-mass0.95 \
-      --repeat 2 --out "$out" 2>&1 | tail -12 ;;
-  e2e-b1)
-    run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash,prism-g4-mass0.95 \
+    run python3 bench/decode_speed.py --shapes 131072x4 --methods dense-gqa,hash,prism-g4,prism-g4-hash \
       --repeat 2 --out "$out" 2>&1 | tail -10 ;;
+  e2e-b1)
+    run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash \
+      --repeat 2 --out "$out" 2>&1 | tail -10 ;;
+  e2e-adaptive)
+    run python3 bench/decode_speed.py --shapes 131072x1,131072x4 --methods dense-gqa,prism-g4-mass0.95 --repeat 2 \
+      --out "$out" 2>&1 | tail -8 ;;
+  compile)
+    run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6 ;;
   tests)
     run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15 ;;
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,15p' "$0"
     exit 2 ;;
 esac

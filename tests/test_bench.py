@@ -88,6 +88,18 @@ def test_kernel_tuning_smoke_runs_every_sweep_and_check(tmp_path):
             "mass_select_old", "select_nested_old"} <= set(best)
 
 
+def test_compile_time_measures_a_cold_compile_in_a_fresh_process(tmp_path):
+    """bench/compile_time.py on a narrow one-layer model on the CPU: the worker runs in a child
+    process with empty caches, and its row carries the phases and Inductor's counts."""
+    r = subprocess.run([sys.executable, "bench/compile_time.py", "--plans", "hash", "--layers", "1", "--small",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(next(tmp_path.glob("compile-*.json")).read_text())["rows"]
+    assert "error" not in row, row
+    assert row["plan"] == "hash" and row["compile_s"] > 0 and row["scheduler_nodes"] > 0
+    assert {"bytecode_tracing", "Scheduler.__init__"} <= set(row["phases_s"]), row["phases_s"]
+
+
 def test_the_bandwidth_reference_kernel_reads_and_copies_everything():
     """benchlib.stream, which the rooflines' copy and read ceilings time, on CPU tensors under the
     interpreter: a length that is no multiple of the grid's stride, every element copied and summed."""

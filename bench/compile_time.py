@@ -1,0 +1,151 @@
+"""Where torch.compile's time goes when a plan's decode graph is compiled, phase by phase.
+
+Each plan compiles in a fresh process with empty Inductor and Triton caches (a cold compile, as a
+user's first call), on the Llama-3.1-8B shape with random weights (`--small` or no GPU: a narrow
+model of the same depth, for a smoke run on the CPU). Per plan: the first decode call's time less a
+second's, torch's own compile phases (what `torch._dynamo.utils.compile_times` prints), and the counts that
+scale Inductor's work: scheduler nodes, fusion pairs tried (`Scheduler.can_fuse`), and our Triton
+kernels Inductor defines in its code.
+
+    python bench/compile_time.py --plans dense hash prism-g4 --layers 32
+    python bench/compile_time.py --one hash --layers 2 --small      # one plan, this process (the worker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+
+# torch's phase names (compile_times keys) worth a column, in the order a compile runs them
+PHASES = (
+    "bytecode_tracing", "aot_collect_metadata", "_recursive_joint_graph_passes", "_recursive_post_grad_passes",
+    "GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen", "PyCodeCache.load_by_key_path",
+    "async_compile.wait",
+)
+
+
+def _counting():
+    """Counters of Inductor's scheduler work, by wrapping three of its methods (absent ones stay 0)."""
+    from torch._inductor import scheduler as S
+    from torch._inductor.codegen import wrapper as W
+
+    counts = {"scheduler_nodes": 0, "fusion_pairs_tried": 0, "user_kernels_defined": 0}
+
+    def wrap(owner, name, key, size=None):
+        real = getattr(owner, name, None)
+        if real is None:
+            return
+
+        def counted(*args, **kwargs):
+            counts[key] += size(args) if size else 1
+            return real(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    wrap(S.Scheduler, "fuse_nodes", "scheduler_nodes", lambda a: len(a[1]) if len(a) > 1 else 0)
+    wrap(S.Scheduler, "can_fuse", "fusion_pairs_tried")
+    wrap(W.PythonWrapperCodegen, "define_user_defined_triton_kernel", "user_kernels_defined")
+    return counts
+
+
+def measure_one(plan: str, layers: int, small: bool) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    import sparse_fx
+    from decode_speed import LLAMA_8B  # bench/decode_speed.py
+
+    dev = "cuda" if torch.cuda.is_available() and not small else "cpu"
+    shape = dict(LLAMA_8B, num_hidden_layers=layers, max_position_embeddings=16384)
+    if small:
+        shape.update(vocab_size=1024, hidden_size=1024, intermediate_size=1024)  # 32 heads of 32: a narrow model
+    config = LlamaConfig(**shape)
+    config._attn_implementation = "sdpa"
+    with torch.device(dev):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    n = 8192  # compile time does not depend on the context; a budget-exceeding fill keeps every stage live
+    cache = StaticCache(config=model.config, max_cache_len=n + 64)
+    cache.early_initialization(1, *model._get_static_cache_init_shape(), torch.bfloat16, dev)
+    for layer in cache.layers:
+        layer.keys[:, :, :n].normal_()
+        layer.values[:, :, :n].normal_()
+        layer.cumulative_length.fill_(n)
+    if plan == "dense":
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    else:
+        sparse_fx.compile(model, plan, budget=1024, sink=128, local=128)
+        sparse_fx.attach_cache(model, cache)
+        forward = model.forward
+    counts = _counting()
+    ids = torch.randint(0, config.vocab_size, (1, 1), device=dev)
+    calls = []
+    with torch.no_grad():
+        for _ in range(2):
+            t0 = time.perf_counter()
+            forward(ids, past_key_values=cache, use_cache=True)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            calls.append(time.perf_counter() - t0)
+    from torch._dynamo.utils import compilation_time_metrics as phases  # name -> [seconds per call]
+
+    return {"plan": plan, "layers": layers, "device": dev, "compile_s": calls[0] - calls[1],
+            "phases_s": {k: float(sum(phases[k])) for k in PHASES if k in phases}, **counts}
+
+
+def run_fresh(plan: str, args) -> dict:
+    """measure_one in a child process with empty compile caches."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
+        cmd = [sys.executable, __file__, "--one", plan, "--layers", str(args.layers)] + (["--small"] if args.small else [])
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        return {"plan": plan, "layers": args.layers, "error": (r.stderr or r.stdout).strip().splitlines()[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    out = [f"Cold compile of the decode graph, {benchlib.where(meta)}, `{meta['command']}`; seconds "
+           "(phases overlap: the scheduler's and codegen's sit inside GraphLowering's caller)", "",
+           "| plan | layers | compile s | " + " | ".join(PHASES) + " | scheduler nodes | fusion pairs | our kernels |",
+           "|---|---|---|" + "---|" * (len(PHASES) + 3)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['plan']} | {r['layers']} | error: {r['error']} |")
+            continue
+        ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in PHASES)
+        out.append(f"| {r['plan']} | {r['layers']} | {r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | "
+                   f"{r['fusion_pairs_tried']} | {r['user_kernels_defined']} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plans", nargs="+", default=["dense", "hash", "prism-g4", "prism-g4-hash"])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--small", action="store_true", help="a narrow model on the CPU (smoke runs)")
+    p.add_argument("--one", metavar="PLAN", help="measure one plan in this process and print its row (the worker)")
+    benchlib.add_out(p)
+    a = p.parse_args()
+    if a.one:
+        print(json.dumps(measure_one(a.one, a.layers, a.small)), flush=True)
+        return
+    rows = []
+    for plan in a.plans:
+        rows.append(run_fresh(plan, a))
+        print(json.dumps(rows[-1]), flush=True)
+    meta = benchlib.header(a)
+    stamp = time.strftime("%Y-%m-%d-%H%M")
+    benchlib.save(a.out, f"compile-{stamp}", {"meta": meta, "rows": rows}, markdown=table(rows, meta))
+    print(table(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
