@@ -57,10 +57,10 @@ def _counting():
 
 def measure_one(plan: str, layers: int, small: bool) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     import sparse_fx
-    from decode_speed import LLAMA_8B  # bench/decode_speed.py
+    from decode_speed import LLAMA_8B, random_static_cache  # bench/decode_speed.py
 
     dev = "cuda" if torch.cuda.is_available() and not small else "cpu"
     shape = dict(LLAMA_8B, num_hidden_layers=layers, max_position_embeddings=16384)
@@ -70,13 +70,8 @@ def measure_one(plan: str, layers: int, small: bool) -> dict:
     config._attn_implementation = "sdpa"
     with torch.device(dev):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    n = 8192  # compile time does not depend on the context; a budget-exceeding fill keeps every stage live
-    cache = StaticCache(config=model.config, max_cache_len=n + 64)
-    cache.early_initialization(1, *model._get_static_cache_init_shape(), torch.bfloat16, dev)
-    for layer in cache.layers:
-        layer.keys[:, :, :n].normal_()
-        layer.values[:, :, :n].normal_()
-        layer.cumulative_length.fill_(n)
+    # compile time does not depend on the context; a fill past the budget keeps every stage live
+    cache = random_static_cache(model, 1, 8192, 64, device=dev)
     if plan == "dense":
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     else:
