@@ -259,7 +259,7 @@ def main() -> None:
                     st.q[i], st.k[i], None, st.mask, pools[i], st.pos, BUDGET, SINK, LOCAL, None))) / nl)
         if want("int2"):
             int2_bytes = R * L * (D // 4 + 4 * (D // 32) + 4)
-            space = dict(block_l=[64, 128], warps=[4, 8], stages=[2, 3], variant=[0, 1, 2])
+            space = dict(block_l=[64, 128], warps=[4, 8], stages=[2, 3], variant=[2, 3])
             record("int2_scores", sweep("int2_scores", space, lambda **c: per_layer(
                 lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, **c)), int2_bytes * nl, copy, res["rows"], shape))
             if old is not None:

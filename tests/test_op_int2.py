@@ -70,7 +70,7 @@ def test_int2_round_trip_error_is_at_most_half_a_step():
     assert ((back - k).abs() <= 0.5 * step + 1e-3 * step + 1e-6).all()
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2])
+@pytest.mark.parametrize("variant", [0, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("G,D,group", [(1, 16, 16), (3, 64, 32), (4, 128, 32), (4, 64, 64)])
 def test_int2_scores_matches_reference(variant, dtype, G, D, group):
@@ -112,7 +112,7 @@ def test_int2_scores_on_strided_buffers(pos):
     torch.testing.assert_close(got[fin], want[fin], atol=5e-5 * want[fin].abs().max().item() * 2, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [2, 3])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_int2_scores_real_shapes(variant):

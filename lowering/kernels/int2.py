@@ -126,10 +126,10 @@ def _int2_scales(s_row, z_row, start, filled, ssl, ssm, szl, szm,
 
 @triton.jit
 def _int2_scores_tile(
-    q_bd, q_hi, qsum, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+    q_bd, qsum, qmag, magic, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
-    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
+    MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
 ):
     """Scores of BLOCK_L written keys (sc, z: their scales and zeros, loaded a tile ahead): their
     codes as a [BLOCK_L, D] tile of small floats times the block-diagonal query matrix
@@ -137,24 +137,31 @@ def _int2_scores_tile(
     in one MMA; then per key and head sum_m scale_m * dot_m + zero_m * qsum_m, and the max over
     the heads.
 
-    VARIANT 0 unpacks each code (shift, mask, convert); VARIANT 1 makes two codes per 32-bit op:
-    (word >> 2i) & 0x00030003 | MAGIC puts channels i and i + 8 of a word, plus a constant 2^k,
-    in the low and high halves as two 16-bit floats (k = 7 for bf16, 10 for fp16), fed to two MMAs
-    against the matching query rows; the constant's share, 2^k * qsum, is taken off with the zero."""
+    VARIANT 0 unpacks each code (shift, mask, convert). VARIANT 2 makes two codes per 32-bit op:
+    (word >> 2i) & 0x00030003 | magic puts channels i and i + 8 of a word, plus a constant 2^k,
+    in the low and high halves as two 16-bit floats (k = 7 for bf16, 10 for fp16), joined back into
+    channel order for one MMA on the natural tile; the constant's share, 2^k * qsum, is taken off
+    with the zero. VARIANT 3 builds each pair register where the MMA reads it, one shift per two registers:
+    register r (operand columns 16 w + 2 r + h, h the half) is (word >> 4 (r % 4)) & (0x00030003 <<
+    2 (r // 4)) | magic, i.e. channels i = 2 (r % 4) + r // 4 (low half) and 8 + i (high half) as
+    code * 4^(r // 4). A thread's operand registers r and r + 4 share the shift and no halves move;
+    the query rows follow the columns' channels, scaled by 4^-(r // 4) (exact), and the constant's
+    share, 2^k times the scaled rows' sum (qmag), is taken off the dot."""
     offs = start + tl.arange(0, BLOCK_L)
     o64 = offs.to(tl.int64)
     live = offs < filled
     NW: tl.constexpr = D // 16
     w = tl.arange(0, NW)
     words = tl.load(c_row + o64[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
-    if VARIANT == 1:
-        pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
-        lo = tl.reshape(pair.to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
-        hi = tl.reshape((pair >> 16).to(tl.int16).to(HALF, bitcast=True), (BLOCK_L, D // 2)).to(OP_DTYPE)
-        part = tl.dot(lo, q_bd, input_precision=DOT_PRECISION)
-        part = tl.dot(hi, q_hi, part, input_precision=DOT_PRECISION)
-    elif VARIANT == 2:  # as 1, halves joined back into channel order: one MMA on the natural tile
-        pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | MAGIC
+    if VARIANT == 3:  # pair registers in the MMA's order: no halves moved
+        r = tl.arange(0, 8)
+        pair = ((words[:, :, None] >> (4 * (r % 4))[None, None, :]) & (0x00030003 << (2 * (r // 4)))[None, None, :]) | magic
+        lo = pair.to(tl.int16).to(HALF, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(HALF, bitcast=True)
+        tile = tl.reshape(tl.join(lo, hi), (BLOCK_L, D)).to(OP_DTYPE)
+        part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)
+    elif VARIANT == 2:  # two codes an op, halves joined back into channel order
+        pair = ((words[:, :, None] >> (2 * tl.arange(0, 8))[None, None, :]) & 0x00030003) | magic
         lo = pair.to(tl.int16).to(HALF, bitcast=True)
         hi = (pair >> 16).to(tl.int16).to(HALF, bitcast=True)
         tile = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_L, D)).to(OP_DTYPE)
@@ -163,8 +170,10 @@ def _int2_scores_tile(
         codes = (words[:, :, None] >> (2 * tl.arange(0, 16))[None, None, :]) & 3
         tile = tl.reshape(codes, (BLOCK_L, D)).to(OP_DTYPE)
         part = tl.dot(tile, q_bd, input_precision=DOT_PRECISION)  # [BLOCK_L, M_PAD * G_PAD]
+    if VARIANT == 3:  # the constant's share, off the dot: the scaled rows' sums differ from qsum
+        part = part - MAGIC_VALUE * qmag[None, :]
     part = tl.reshape(part, (BLOCK_L, M_PAD, G_PAD))
-    if VARIANT > 0:
+    if VARIANT == 2:  # the constant's share, with the zero: 2^k * scale * qsum (fewer registers)
         z = z - sc * MAGIC_VALUE
     acc = tl.sum(part * sc[:, :, None], axis=1) + tl.sum(z[:, :, None] * qsum[None, :, :], axis=1)
     acc = tl.where((tl.arange(0, G_PAD) < G)[None, :], acc, float("-inf"))
@@ -183,6 +192,8 @@ def _unwritten_tile(o_row, start, L, sol, BLOCK_L: tl.constexpr):
 def _int2_scores_kernel(
     q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, out_ptr,
     Hkv, L, PROGS,
+    magic,  # VARIANT 2, 3: two copies of the 16-bit float 2^k (0x43004300 bf16, 0x64006400 fp16), an argument
+    # so that it sits in a register and each (code & mask) | magic is one instruction
     sqb, sqh, sqd,
     scb, sch, scl, scw,
     ssb, ssh, ssl, ssm,
@@ -198,9 +209,8 @@ def _int2_scores_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 queries (exact); bf16/fp16 queries and codes 0..3 are exact as is
     OP_DTYPE: tl.constexpr,  # MMA operand dtype: the query's (fp32 under the interpreter)
     VARIANT: tl.constexpr,  # how codes become MMA operands (see _int2_scores_tile)
-    MAGIC: tl.constexpr,  # VARIANT 1: two copies of the 16-bit float 2^k (0x43004300 bf16, 0x64006400 fp16)
-    MAGIC_VALUE: tl.constexpr,  # VARIANT 1: 2^k as a float (128 or 1024)
-    HALF: tl.constexpr,  # VARIANT 1: that 16-bit float type
+    MAGIC_VALUE: tl.constexpr,  # VARIANT 2, 3: 2^k as a float (128 or 1024)
+    HALF: tl.constexpr,  # VARIANT 2, 3: that 16-bit float type
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
     PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
 ):
@@ -220,21 +230,20 @@ def _int2_scores_kernel(
     n = tl.arange(0, M_PAD * G_PAD)
     own = ((c[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
     q_head = q_ptr + b * sqb + (h * G + n % G_PAD)[None, :] * sqh
-    if VARIANT == 1:  # rows w * 8 + i: channel 16 w + i (low halves) and 16 w + 8 + i (high halves)
-        j = tl.arange(0, D // 2)
-        ch_lo = (j // 8) * 16 + j % 8
-        own_lo = ((ch_lo[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
-        own_hi = (((ch_lo + 8)[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
-        q_lo = tl.load(q_head + ch_lo[:, None] * sqd, mask=own_lo, other=0.0)
-        q_up = tl.load(q_head + (ch_lo + 8)[:, None] * sqd, mask=own_hi, other=0.0)
-        q_bd = q_lo.to(OP_DTYPE)
-        q_hi = q_up.to(OP_DTYPE)
-        qsum = tl.reshape(tl.sum(q_lo.to(tl.float32), axis=0) + tl.sum(q_up.to(tl.float32), axis=0), (M_PAD, G_PAD))
+    if VARIANT == 3:  # row 16 w + 2 r + h: channel 16 w + 8 h + 2 (r % 4) + r // 4, scaled by 4^-(r // 4)
+        r = (c % 16) // 2
+        ch = (c // 16) * 16 + 8 * (c % 2) + 2 * (r % 4) + r // 4
+        own3 = ((ch[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
+        qv = tl.load(q_head + ch[:, None] * sqd, mask=own3, other=0.0).to(tl.float32)
+        q_sc = qv * tl.where(r < 4, 1.0, 0.25)[:, None]  # a power of two: exact
+        q_bd = q_sc.to(OP_DTYPE)
+        qmag = tl.sum(q_sc, axis=0)
+        qsum = tl.reshape(tl.sum(qv, axis=0), (M_PAD, G_PAD))
     else:
         qv = tl.load(q_head + c[:, None] * sqd, mask=own, other=0.0)
         q_bd = qv.to(OP_DTYPE)
-        q_hi = q_bd
         qsum = tl.reshape(tl.sum(qv.to(tl.float32), axis=0), (M_PAD, G_PAD))
+        qmag = qsum  # unused
     c_row = codes_ptr + b * scb + h * sch
     s_row = scale_ptr + b * ssb + h * ssh
     z_row = zero_ptr + b * szb + h * szh
@@ -248,8 +257,8 @@ def _int2_scores_kernel(
     if USE_FOR:
         for start in tl.range(first, filled, STEP):  # grid-stride
             sc_next, z_next = _int2_scales(s_row, z_row, start + STEP, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)
-            _int2_scores_tile(q_bd, q_hi, qsum, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
-                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
+            _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
             sc = sc_next
             z = z_next
         for start in tl.range(rest, L, STEP):
@@ -258,8 +267,8 @@ def _int2_scores_kernel(
         start = first
         while start < filled:
             sc_next, z_next = _int2_scales(s_row, z_row, start + STEP, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)
-            _int2_scores_tile(q_bd, q_hi, qsum, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
-                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC, MAGIC_VALUE, HALF)
+            _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
             sc = sc_next
             z = z_next
             start += STEP
@@ -312,18 +321,17 @@ def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=
     half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
     if half is None:
         variant = 0  # fp32 queries: the exact path
-    elif variant == 1 and D < 32:
-        variant = 2  # its two half-width MMAs need K = D / 2 >= 16
     torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
         q, codes, scale, zero, pos[-1:] if pos is not None else codes, out,
         Hkv, L, progs,
+        0x43004300 if half == torch.bfloat16 else 0x64006400,
         q.stride(0), q.stride(1), q.stride(3),
         *codes.stride(), *scale.stride(), *zero.stride(), *out.stride(),
         G=G, G_PAD=G_PAD, D=D, M=M, M_PAD=max(M, 16 // min(G_PAD, 16)), BLOCK_L=block_l,
         HAS_POS=pos is not None,
         DOT_PRECISION="ieee" if op == torch.float32 else "tf32",
         OP_DTYPE=_OP_DTYPE[op],
-        VARIANT=variant, MAGIC=0x43004300 if half == torch.bfloat16 else 0x64006400,
+        VARIANT=variant,
         MAGIC_VALUE=128.0 if half == torch.bfloat16 else 1024.0,
         HALF=_OP_DTYPE[half or torch.float16],
         USE_FOR=not interpreting(),
