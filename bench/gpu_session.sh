@@ -3,8 +3,8 @@
 # order a session with 30 minutes of device time takes them. Every stage writes under $OUT (or
 # ./gpu-out) and prints a short table last. Usage, from the repository root on the GPU machine:
 #
-#   bash bench/gpu_session.sh tune     # ~6 min: GPU op tests, then kernel_tuning (row vs passes,
-#                                      #   attention splits) against .scratch/base/oldlowering
+#   bash bench/gpu_session.sh tune     # ~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes)
+#                                      #   against .scratch/base/oldlowering
 #   bash bench/gpu_session.sh step     # ~3 min: the kernel roofline twice (bench/kernel_step.py), and
 #                                      #   the adaptive budget at a sharpness that lets it trim
 #   bash bench/gpu_session.sh e2e-b4   # ~8 min: end to end at 128K, batch 4: dense, hash, prism-g4, prism-g4-hash
@@ -30,7 +30,7 @@ case "${1:-}" in
     tail -5 "$out/op_tests.log"
     base=()
     [ -d .scratch/base/oldlowering ] && base=(--baseline .scratch/base)
-    run python3 bench/kernel_tuning.py --only select mass attention --contexts 131072 32768 "${base[@]}" --out "$out" \
+    run python3 bench/kernel_tuning.py --only int2 select mass --contexts 131072 32768 "${base[@]}" --out "$out" \
       2>&1 | tee "$out/tuning.log" | tail -14 ;;
   step)
     run python3 bench/kernel_step.py --repeat 2 --short --plans hash prism-g4 prism-g4-hash --out "$out" | tail -12

@@ -50,6 +50,18 @@ def test_gpu_code_paths_compile_for_sm90_without_spills():
 
 
 @needs_tools
+def test_int2_operands_built_in_place_take_fewer_instructions_a_tile():
+    """compile_check --loops counts each launch's longest loop in SASS; the INT2 scan's variant
+    that builds MMA operand registers in place (3) must stay cheaper than the one that joins halves
+    back into channel order (2), or it has lost its reason to exist."""
+    loops = dict(((s.strip(), k), int(n)) for s, k, n in
+                 re.findall(r"^(.+?)\s{2,}(_\w+)\s+loop\s+(\d+)", _compile_check("--loops"), re.M))
+    assert len(loops) >= 30, loops  # kernels without a loop count 0
+    v2, v3 = loops[("int2_scores", "_int2_scores_kernel")], loops[("int2_scores v3", "_int2_scores_kernel")]
+    assert v3 < 0.9 * v2, (v2, v3)
+
+
+@needs_tools
 def test_inductor_sees_each_kernel_write_only_outputs_and_scratch():
     """A graph input a kernel seems to write (through a helper call on the path to a store
     address) is functionalised as mutated: copied back, or CUDA graphs skip the step."""

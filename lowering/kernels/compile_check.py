@@ -7,6 +7,7 @@ each recorded launch is then compiled for sm_90 with the same constexprs and opt
 process *without* TRITON_INTERPRET (the kernels must be JITFunctions):
 
     python -m sparse_fx.lowering.kernels.compile_check           # registers / spills / smem per launch
+    python -m sparse_fx.lowering.kernels.compile_check --loops   # SASS instructions of each launch's longest loop
     python -m sparse_fx.lowering.kernels.compile_check --writes  # what Inductor would see each launch write
 """
 
@@ -184,6 +185,27 @@ def resource_usage(cubin: bytes) -> dict:
     return {k: int(v) for k, v in found.items()}
 
 
+def longest_loop(cubin: bytes) -> tuple[int, dict]:
+    """(instructions, opcode counts) of the longest backward branch's body in a cubin's SASS: the
+    steady state of an issue-bound kernel, to compare variants without a GPU."""
+    import collections
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(a, 16), op, rest) for a, op, rest in
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", text)]
+    best = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return len(best), dict(collections.Counter(best).most_common(6))
+
+
 def compile_all(arch: int = 90):
     """[(scenario, kernel name, registers, local bytes, stack bytes, shared bytes)] for every
     recorded launch (registers spilled go to the stack frame or to local memory)."""
@@ -234,6 +256,14 @@ def main() -> None:
     if "--writes" in sys.argv:
         for name, kernel, written in written_arguments():
             print(f"{name:28s} {kernel:28s} writes {' '.join(written)}")
+        return
+    if "--loops" in sys.argv:
+        for name, call in _scenarios():
+            with recording() as launches:
+                call()
+            for kernel, _grid, args, kwargs in launches:
+                n, ops = longest_loop(compile_launch(kernel, args, kwargs).asm["cubin"])
+                print(f"{name:28s} {kernel.fn.__name__:28s} loop {n:5d}  {' '.join(f'{k}:{v}' for k, v in ops.items())}")
         return
     for row in compile_all():
         print("{:28s} {:28s} regs {:4d} local {:5d} stack {:5d} smem {:7d}".format(*row))
