@@ -57,19 +57,13 @@ def _counting():
 
 def measure_one(plan: str, layers: int, small: bool) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import sparse_fx
-    from decode_speed import LLAMA_8B, random_static_cache  # bench/decode_speed.py
+    from decode_speed import build_model, random_static_cache  # bench/decode_speed.py
 
     dev = "cuda" if torch.cuda.is_available() and not small else "cpu"
-    shape = dict(LLAMA_8B, num_hidden_layers=layers, max_position_embeddings=16384)
-    if small:
-        shape.update(vocab_size=1024, hidden_size=1024, intermediate_size=1024)  # 32 heads of 32: a narrow model
-    config = LlamaConfig(**shape)
-    config._attn_implementation = "sdpa"
-    with torch.device(dev):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    # small: 32 heads of 32, a narrow model of the same depth
+    model = build_model(layers, dev, **(dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024) if small else {}))
     # compile time does not depend on the context; a fill past the budget keeps every stage live
     cache = random_static_cache(model, 1, 8192, 64, device=dev)
     if plan == "dense":
@@ -79,7 +73,7 @@ def measure_one(plan: str, layers: int, small: bool) -> dict:
         sparse_fx.attach_cache(model, cache)
         forward = model.forward
     counts = _counting()
-    ids = torch.randint(0, config.vocab_size, (1, 1), device=dev)
+    ids = torch.randint(0, model.config.vocab_size, (1, 1), device=dev)
     calls = []
     with torch.no_grad():
         for _ in range(2):

@@ -42,12 +42,13 @@ LLAMA_8B = dict(
 )
 
 
-def build_model(layers: int):
+def build_model(layers: int, device="cuda", **shape):
+    """The Llama-3.1-8B shape with `layers` layers (and any other `shape` overrides), random bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": layers})
+    config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": layers, **shape})
     config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     return model
 

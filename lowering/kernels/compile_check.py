@@ -174,14 +174,18 @@ def _scenarios():
     yield "hamming g3 w2", lambda: K.hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
 
 
-def resource_usage(cubin: bytes) -> dict:
-    """Registers and local (spill) bytes of a cubin, from the cuobjdump that ships with triton."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """The output of the cuobjdump that ships with triton, run with `flag` on a cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local (spill) bytes of a cubin."""
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(cubin, "-res-usage")))
     return {k: int(v) for k, v in found.items()}
 
 
@@ -190,13 +194,8 @@ def longest_loop(cubin: bytes) -> tuple[int, dict]:
     steady state of an issue-bound kernel, to compare variants without a GPU."""
     import collections
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     ins = [(int(a, 16), op, rest) for a, op, rest in
-           re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", text)]
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", _cuobjdump(cubin, "-sass"))]
     best = []
     for addr, op, rest in ins:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
@@ -206,19 +205,31 @@ def longest_loop(cubin: bytes) -> tuple[int, dict]:
     return len(best), dict(collections.Counter(best).most_common(6))
 
 
-def compile_all(arch: int = 90):
-    """[(scenario, kernel name, registers, local bytes, stack bytes, shared bytes)] for every
-    recorded launch (registers spilled go to the stack frame or to local memory)."""
-    rows = []
+def _launches():
+    """(scenario, kernel, args, kwargs) of every launch the scenarios record."""
     for name, call in _scenarios():
         with recording() as launches:
             call()
         for kernel, _grid, args, kwargs in launches:
-            c = compile_launch(kernel, args, kwargs, arch)
-            use = resource_usage(c.asm["cubin"])
-            rows.append((name, kernel.fn.__name__, use.get("REG", -1), use.get("LOCAL", -1), use.get("STACK", -1),
-                         c.metadata.shared))
+            yield name, kernel, args, kwargs
+
+
+def compile_all(arch: int = 90):
+    """[(scenario, kernel name, registers, local bytes, stack bytes, shared bytes)] for every
+    recorded launch (registers spilled go to the stack frame or to local memory)."""
+    rows = []
+    for name, kernel, args, kwargs in _launches():
+        c = compile_launch(kernel, args, kwargs, arch)
+        use = resource_usage(c.asm["cubin"])
+        rows.append((name, kernel.fn.__name__, use.get("REG", -1), use.get("LOCAL", -1), use.get("STACK", -1),
+                     c.metadata.shared))
     return rows
+
+
+def loop_counts(arch: int = 90):
+    """[(scenario, kernel name, instructions of its longest loop, their commonest opcodes)]."""
+    return [(name, kernel.fn.__name__, *longest_loop(compile_launch(kernel, args, kwargs, arch).asm["cubin"]))
+            for name, kernel, args, kwargs in _launches()]
 
 
 def written_arguments(arch: int = 90):
@@ -236,15 +247,12 @@ def written_arguments(arch: int = 90):
     driver.set_active(_Target())
     rows = []
     try:
-        for name, call in _scenarios():
-            with recording() as launches:
-                call()
-            for kernel, _grid, args, kwargs in launches:
-                names = [p.name for p in kernel.params]
-                bound = dict(zip(names, args))
-                bound.update({k: v for k, v in kwargs.items() if k in names})
-                access = identify_accessed_tensors(kernel, bound, {})
-                rows.append((name, kernel.fn.__name__, sorted(d.name for d in access.read_writes.writes)))
+        for name, kernel, args, kwargs in _launches():
+            names = [p.name for p in kernel.params]
+            bound = dict(zip(names, args))
+            bound.update({k: v for k, v in kwargs.items() if k in names})
+            access = identify_accessed_tensors(kernel, bound, {})
+            rows.append((name, kernel.fn.__name__, sorted(d.name for d in access.read_writes.writes)))
     finally:
         driver._active = previous
     return rows
@@ -258,12 +266,8 @@ def main() -> None:
             print(f"{name:28s} {kernel:28s} writes {' '.join(written)}")
         return
     if "--loops" in sys.argv:
-        for name, call in _scenarios():
-            with recording() as launches:
-                call()
-            for kernel, _grid, args, kwargs in launches:
-                n, ops = longest_loop(compile_launch(kernel, args, kwargs).asm["cubin"])
-                print(f"{name:28s} {kernel.fn.__name__:28s} loop {n:5d}  {' '.join(f'{k}:{v}' for k, v in ops.items())}")
+        for name, kernel, n, ops in loop_counts():
+            print(f"{name:28s} {kernel:28s} loop {n:5d}  {' '.join(f'{k}:{v}' for k, v in ops.items())}")
         return
     for row in compile_all():
         print("{:28s} {:28s} regs {:4d} local {:5d} stack {:5d} smem {:7d}".format(*row))

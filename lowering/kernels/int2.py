@@ -228,22 +228,19 @@ def _int2_scores_kernel(
     GS: tl.constexpr = D // M
     c = tl.arange(0, D)
     n = tl.arange(0, M_PAD * G_PAD)
-    own = ((c[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
-    q_head = q_ptr + b * sqb + (h * G + n % G_PAD)[None, :] * sqh
     if VARIANT == 3:  # row 16 w + 2 r + h: channel 16 w + 8 h + 2 (r % 4) + r // 4, scaled by 4^-(r // 4)
-        r = (c % 16) // 2
-        ch = (c // 16) * 16 + 8 * (c % 2) + 2 * (r % 4) + r // 4
-        own3 = ((ch[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
-        qv = tl.load(q_head + ch[:, None] * sqd, mask=own3, other=0.0).to(tl.float32)
-        q_sc = qv * tl.where(r < 4, 1.0, 0.25)[:, None]  # a power of two: exact
-        q_bd = q_sc.to(OP_DTYPE)
-        qmag = tl.sum(q_sc, axis=0)
-        qsum = tl.reshape(tl.sum(qv, axis=0), (M_PAD, G_PAD))
+        reg = (c % 16) // 2  # the operand register of the row's column pair
+        ch = (c // 16) * 16 + 8 * (c % 2) + 2 * (reg % 4) + reg // 4
     else:
-        qv = tl.load(q_head + c[:, None] * sqd, mask=own, other=0.0)
-        q_bd = qv.to(OP_DTYPE)
-        qsum = tl.reshape(tl.sum(qv.to(tl.float32), axis=0), (M_PAD, G_PAD))
-        qmag = qsum  # unused
+        ch = c
+    own = ((ch[:, None] // GS) == (n // G_PAD)[None, :]) & ((n % G_PAD) < G)[None, :]
+    q_head = q_ptr + b * sqb + (h * G + n % G_PAD)[None, :] * sqh
+    qv = tl.load(q_head + ch[:, None] * sqd, mask=own, other=0.0).to(tl.float32)
+    qsum = tl.reshape(tl.sum(qv, axis=0), (M_PAD, G_PAD))
+    if VARIANT == 3:
+        qv = qv * tl.where(reg < 4, 1.0, 0.25)[:, None]  # a power of two: exact
+    qmag = tl.sum(qv, axis=0)  # VARIANT 3: the scaled rows' sums (the constant's share)
+    q_bd = qv.to(OP_DTYPE)
     c_row = codes_ptr + b * scb + h * sch
     s_row = scale_ptr + b * ssb + h * ssh
     z_row = zero_ptr + b * szb + h * szh
