@@ -114,7 +114,7 @@ def _scenarios():
     codes = torch.zeros(B, Hkv, L, D // 16, dtype=torch.int32)
     sc = torch.zeros(B, Hkv, L, D // 32, dtype=torch.float16)
     yield "int2_write", lambda: K.int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos)
-    yield "int2_scores", lambda: K.int2_scores(q, codes, sc, sc, pos)
+    yield "int2_scores v2", lambda: K.int2_scores(q, codes, sc, sc, pos, variant=2)
     yield "int2_scores v3", lambda: K.int2_scores(q, codes, sc, sc, pos, variant=3)
     yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, sc, sc)
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)

@@ -19,6 +19,11 @@ from .common import (
 )
 
 INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
+# Keys (B * Hkv * L) from which the scan builds its MMA operands in place (variant 3, fewer
+# instructions a tile) rather than joining halves (variant 2, shorter latency a tile). H200,
+# 2026-12-02 (results/kernel-tuning-2026-12-02.json): variant 3 wins by 5-9% at 4M keys and 9% at
+# 16M, loses by 7-22% at 1M and below.
+INT2_IN_PLACE_MIN_KEYS = 1 << 22
 
 
 # ---------------------------------------------------------------------------------- write
@@ -303,7 +308,7 @@ def int2_scores_supported(q, codes, scale, zero, pos=None) -> bool:
 
 
 def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=4, stages=STREAM_STAGES,
-                waves=STREAM_WAVES, variant=2) -> torch.Tensor:
+                waves=STREAM_WAVES, variant=None) -> torch.Tensor:
     """max over the group of <q, dequantised k>: [B,Hkv,L] float32 (reference.int2_scores)."""
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
@@ -318,6 +323,8 @@ def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=
     half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
     if half is None:
         variant = 0  # fp32 queries: the exact path
+    elif variant is None:
+        variant = 3 if B * Hkv * L >= INT2_IN_PLACE_MIN_KEYS else 2
     torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
         q, codes, scale, zero, pos[-1:] if pos is not None else codes, out,
         Hkv, L, progs,
