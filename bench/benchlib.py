@@ -166,14 +166,28 @@ def _portable(text: str) -> str:
     return text.replace(str(ROOT) + os.sep, "").replace(str(Path.home()), "~")
 
 
+def _meta_of(source) -> dict | None:
+    """The header of a saved results file (a path) or of results in memory, as written."""
+    try:
+        data = load(source.parent, source.stem) if isinstance(source, Path) else source
+        return json.loads(_portable(json.dumps(data.get("meta"), default=str)))
+    except (ValueError, AttributeError):
+        return None
+
+
 def save(out_dir, stem: str, data: dict, markdown: str | None = None, plot=None) -> list[Path]:
     """Write <stem>.json (which must carry its header as "meta"), <stem>.md when `markdown` is
     given, and <stem>.png through `plot(path)`; a plot that writes several figures returns their
     paths instead. Returns the paths written. A failing plot is reported, not raised: the numbers
-    are already on disk."""
+    are already on disk. Another run's results of the same stem are kept: this run's go to
+    <stem>-2, -3, ... (a re-render of the same run, equal "meta", rewrites its files)."""
     if "meta" not in data:
         raise ValueError("benchlib.save: data has no 'meta' header (benchlib.header(args))")
     out = _out_dir(str(out_dir))
+    base, n = stem, 1
+    while (out / f"{stem}.json").exists() and _meta_of(out / f"{stem}.json") != _meta_of(data):
+        n += 1
+        stem = f"{base}-{n}"
     paths = [out / f"{stem}.json"]
     paths[0].write_text(_portable(json.dumps(data, indent=1, default=str)) + "\n")
     if markdown is not None:

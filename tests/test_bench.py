@@ -170,3 +170,18 @@ def test_teacher_agreement_merges_runs_cell_by_cell(tmp_path):
     assert {name for c in kept for name in c.get("passkey", {})} == {"dense", "prism-g4"}  # the first run's too
     # rows keep their share of the oracle's agreement when the oracle row itself is not kept
     assert all(0.9 < c["plans"]["prism-g4"]["agreement_of_oracle"] < 1.01 for c in kept)
+
+
+def test_results_of_another_run_are_never_overwritten(tmp_path):
+    """Two runs in the same minute once shared a stamp and the second erased the first; a
+    re-render of the same run (the same header) still rewrites its own files."""
+    code = ("import json, sys, benchlib; out = sys.argv[1]; "
+            "a = {'meta': {'date': '1'}, 'rows': [1]}; b = {'meta': {'date': '2'}, 'rows': [2]}; "
+            "names = [benchlib.save(out, 'k', d, markdown='x')[0].name for d in (a, b, a, b, {**b, 'rows': [3]})]; "
+            "print(json.dumps(names))")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=BENCH, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == ["k.json", "k-2.json", "k.json", "k-2.json", "k-2.json"]
+    assert json.loads((tmp_path / "k.json").read_text())["rows"] == [1]
+    assert json.loads((tmp_path / "k-2.json").read_text())["rows"] == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k-2.json", "k-2.md", "k.json", "k.md"]
