@@ -91,6 +91,23 @@ def test_int2_scores_matches_reference(variant, dtype, G, D, group):
     torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=1e-5)
 
 
+def test_int2_scan_variant_follows_the_keys_scanned(monkeypatch):
+    """Unset, the 16-bit scan builds operands in place (3) from INT2_IN_PLACE_MIN_KEYS keys
+    (B * Hkv * L) and joins halves (2) below; the two round differently, so the default's output
+    equals exactly one of them on each side of the threshold."""
+    from sparse_fx.lowering.kernels import int2
+
+    g = gen(31)
+    B, Hkv, G, L, D = 1, 2, 4, 96, 64
+    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu() * 3, 32))
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.float16)
+    v2, v3 = (K.int2_scores(q, codes, scale, zero, None, variant=v) for v in (2, 3))
+    assert not torch.equal(v2, v3)  # else this test could not tell them apart
+    for threshold, want in ((B * Hkv * L, v3), (B * Hkv * L + 1, v2)):
+        monkeypatch.setattr(int2, "INT2_IN_PLACE_MIN_KEYS", threshold)
+        assert torch.equal(K.int2_scores(q, codes, scale, zero, None), want), threshold
+
+
 @pytest.mark.parametrize("pos", [None, 0, 37])
 def test_int2_scores_on_strided_buffers(pos):
     """Codes, scales and zeros inside wider rows (a cache with room to spare): the kernel's packed
