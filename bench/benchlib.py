@@ -215,6 +215,23 @@ def load(out_dir, stem: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------ GPU timing
+# torch.compile's phases (torch._dynamo.utils.compile_times' names) worth a column, in the order a
+# compile runs them; the first spans all the others (Dynamo's tracing and the whole backend)
+COMPILE_PHASES = (
+    "_compile.compile_inner", "bytecode_tracing", "aot_collect_metadata", "_recursive_joint_graph_passes",
+    "_recursive_post_grad_passes", "GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen",
+    "PyCodeCache.load_by_key_path", "async_compile.wait",
+)
+
+
+def compile_phases(since: dict | None = None) -> dict[str, float]:
+    """Seconds this process has spent in each of COMPILE_PHASES (less `since`, an earlier reading)."""
+    from torch._dynamo.utils import compilation_time_metrics as spent  # name -> [seconds per call]
+
+    since = since or {}
+    return {k: float(sum(spent[k])) - since.get(k, 0.0) for k in COMPILE_PHASES if k in spent}
+
+
 def time_graph(fn, target_ms: float = 40.0, windows: int = 5) -> float:
     """Median ms of one fn() call, from replays of a CUDA graph of it (launch gaps as in a
     captured decode step; warm-up and capture on a side stream first)."""

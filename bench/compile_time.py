@@ -23,12 +23,7 @@ import time
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
-# torch's phase names (compile_times keys) worth a column, in the order a compile runs them
-PHASES = (
-    "bytecode_tracing", "aot_collect_metadata", "_recursive_joint_graph_passes", "_recursive_post_grad_passes",
-    "GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen", "PyCodeCache.load_by_key_path",
-    "async_compile.wait",
-)
+PHASES = benchlib.COMPILE_PHASES
 
 
 def _counting():
@@ -82,10 +77,8 @@ def measure_one(plan: str, layers: int, small: bool) -> dict:
             if dev == "cuda":
                 torch.cuda.synchronize()
             calls.append(time.perf_counter() - t0)
-    from torch._dynamo.utils import compilation_time_metrics as phases  # name -> [seconds per call]
-
     return {"plan": plan, "layers": layers, "device": dev, "compile_s": calls[0] - calls[1],
-            "phases_s": {k: float(sum(phases[k])) for k in PHASES if k in phases}, **counts}
+            "phases_s": benchlib.compile_phases(), **counts}
 
 
 def run_fresh(plan: str, args) -> dict:
