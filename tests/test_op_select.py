@@ -264,6 +264,26 @@ def test_launch_knobs_do_not_change_the_selection(knobs):
     check(scores, torch.tensor([8800], device=DEV), 700, 8, 8, mask, **knobs)
 
 
+def test_wide_cache_row_launch_selects_what_the_reference_selects(monkeypatch):
+    """The tuned layout of a float selection over few cache rows (one wide block a program, the
+    row cap raised) is chosen by default where its thresholds say, and selects exactly the
+    reference's pool and budget; scaled down here so that the interpreter reaches it."""
+    from sparse_fx.lowering.kernels import select
+
+    monkeypatch.setattr(select, "WIDE_BLOCK", 1024)
+    monkeypatch.setattr(select, "WIDE_MIN_PROGRAMS", 12)
+    monkeypatch.setattr(select, "WIDE_CAP_ROWS", 2)
+    assert select.cache_row_launch(2, 6000, None, None) == (1024, select.WIDE_CAP)  # 2 rows x 6 blocks
+    assert select.cache_row_launch(2, 5000, None, None) == (select.BLOCK, None)  # 2 x 5: too few
+    assert select.cache_row_launch(4, 6000, None, None) == (1024, None)  # more rows: the default cap
+    assert select.cache_row_launch(2, 6000, 512, 8) == (512, 8)  # knobs win
+    g = gen(32)
+    scores = _scores("near-ties", 1, 2, 6000, g).to(DEV)
+    mask = make_mask("bool", 1, 2, 6000, g, now=5900)
+    check_nested(scores, torch.tensor([5900], device=DEV), 900, 300, 8, 16, mask)
+    check(scores, torch.tensor([5900], device=DEV), 900, 8, 16, mask)
+
+
 def test_selection_does_not_depend_on_the_cache_length():
     """Slots after the query are never read: a longer cache (more generated tokens to come) with
     anything in those slots selects the same positions, ties included."""

@@ -61,6 +61,14 @@ WIN_BLOCK = tl.constexpr(256)
 # reads 4-byte scores, so few wide levels win; the Hamming path is instruction-bound on its
 # histogram, so 16-bin levels (two for 8-bit keys) and many programs win.
 BLOCK = 2048  # candidates per step of every pass (all passes of one select cut the same chunks)
+# A float selection over a cache row (not a pool) with fewer rows than the row kernel's takes
+# blocks of WIDE_BLOCK (about one a program) where that still makes ~2 programs an SM (rows x
+# blocks >= WIDE_MIN_PROGRAMS), and at up to WIDE_CAP_ROWS rows a program for each of a 128K row's
+# 32 blocks (cap WIDE_CAP).
+# H200, results/kernel-tuning-2026-12-02.json, against BLOCK with WIDE_PROGS: the nested proposal
+# 22% faster at 128K batch 1, 4% at 128K batch 4, 19% at 32K batch 4; the pool alone 19% / -2% / 8%;
+# 32K batch 1 (64 programs at WIDE_BLOCK) keeps BLOCK, 28% faster there.
+WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 64, 8
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
 WAVES = 4
 HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
@@ -672,17 +680,31 @@ def _counts(levels: int, R: int, progs: int, lb: int, nested: bool, dev) -> torc
     return torch.empty((2 if nested else 1) * levels, R, progs, 1 << lb, dtype=torch.int32, device=dev)
 
 
-def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, mass=1.0, block=BLOCK, warps=4,
+def cache_row_launch(R: int, N: int, block: int | None, cap: int | None) -> tuple[int, int | None]:
+    """(block, cap) of a float selection over R cache rows of N slots: the tuned WIDE_BLOCK
+    layout where it measured faster, else BLOCK; given knobs are kept."""
+    wide = R < ROW_MIN_ROWS and R * triton.cdiv(N, WIDE_BLOCK) >= WIDE_MIN_PROGRAMS
+    if block is None:
+        block = WIDE_BLOCK if wide else BLOCK
+    if cap is None and wide and block == WIDE_BLOCK and R <= WIDE_CAP_ROWS:
+        cap = WIDE_CAP
+    return block, cap
+
+
+def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, mass=1.0, block=None, warps=4,
                 waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None, row=None):
     """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded
     (mass < 1: trimmed to that share of the mass). With k_inner (reference.select_nested): that
     list and the one of the best k_inner, both from one key pass over the scores: the inner list
     by one program a row over the list's keys (`_by_rows`; row=True / False force it), else by the
     deeper levels and the select pass counting both. block / warps / waves (programs per SM) /
-    level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py)."""
+    level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py); unset, block and
+    cap follow `cache_row_launch` over a cache row, BLOCK and WIDE_PROGS over a pool."""
     B, Hkv, N = scores.shape
+    if positions is None and scores.is_floating_point():
+        block, cap = cache_row_launch(B * Hkv, N, block, cap)
     return _select(scores, scores.stride(), SCORE_KIND[scores.dtype], None, B, Hkv, N, pos, k, sink, local, mask, positions,
-                   start, block, warps, waves, level_bits, cap, k_inner, mass, row)
+                   start, block or BLOCK, warps, waves, level_bits, cap, k_inner, mass, row)
 
 
 def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start=None, mass=1.0) -> bool:
