@@ -171,21 +171,22 @@ def _meta_of(source) -> dict | None:
     try:
         data = load(source.parent, source.stem) if isinstance(source, Path) else source
         return json.loads(_portable(json.dumps(data.get("meta"), default=str)))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, OSError):  # not a results file: never the same run
         return None
 
 
-def save(out_dir, stem: str, data: dict, markdown: str | None = None, plot=None) -> list[Path]:
+def save(out_dir, stem: str, data: dict, markdown: str | None = None, plot=None, keep_others: bool = False) -> list[Path]:
     """Write <stem>.json (which must carry its header as "meta"), <stem>.md when `markdown` is
     given, and <stem>.png through `plot(path)`; a plot that writes several figures returns their
     paths instead. Returns the paths written. A failing plot is reported, not raised: the numbers
-    are already on disk. Another run's results of the same stem are kept: this run's go to
-    <stem>-2, -3, ... (a re-render of the same run, equal "meta", rewrites its files)."""
+    are already on disk. `keep_others` (for stems a script stamps itself, which two runs can share):
+    another run's results of the same stem are kept and this run's go to <stem>-2, -3, ...; the same
+    run (equal "meta": a checkpoint, a re-render) rewrites its own."""
     if "meta" not in data:
         raise ValueError("benchlib.save: data has no 'meta' header (benchlib.header(args))")
     out = _out_dir(str(out_dir))
     base, n = stem, 1
-    while (out / f"{stem}.json").exists() and _meta_of(out / f"{stem}.json") != _meta_of(data):
+    while keep_others and (out / f"{stem}.json").exists() and _meta_of(out / f"{stem}.json") != _meta_of(data):
         n += 1
         stem = f"{base}-{n}"
     paths = [out / f"{stem}.json"]

@@ -125,7 +125,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     meta = benchlib.header(a)
     stamp = time.strftime("%Y-%m-%d-%H%M")
-    benchlib.save(a.out, f"compile-{stamp}", {"meta": meta, "rows": rows}, markdown=table(rows, meta))
+    benchlib.save(a.out, f"compile-{stamp}", {"meta": meta, "rows": rows}, markdown=table(rows, meta), keep_others=True)
     print(table(rows, meta))
 
 

@@ -87,15 +87,18 @@ def random_dynamic_cache(model, batch: int, filled: int):
     return cache
 
 
-def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[float, float]:
-    """(seconds per step, seconds of the first call) over `steps` timed single-token steps."""
+def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[float, float, dict]:
+    """(seconds per step, seconds of the first call, torch.compile's phases in it) over `steps`
+    timed single-token steps."""
     vocab = 128256
     ids = torch.randint(0, vocab, (batch, 1), device="cuda")
     with torch.no_grad():
+        before = benchlib.compile_phases()
         t0 = time.perf_counter()
         forward(ids, past_key_values=cache, use_cache=True)
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
+        phases = benchlib.compile_phases(since=before)
         for _ in range(warmup - 1):
             forward(ids, past_key_values=cache, use_cache=True)
         torch.cuda.synchronize()
@@ -105,7 +108,7 @@ def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[fl
             forward(ids, past_key_values=cache, use_cache=True).logits.argmax(-1)
         end.record()
         torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / steps, first
+    return start.elapsed_time(end) / 1e3 / steps, first, phases
 
 
 def time_prefill(forward, model, n: int, batch: int, calls: int = 4) -> tuple[float, float, list[float]]:
@@ -178,7 +181,7 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
     try:
         if method == "hf-default":
             cache = random_dynamic_cache(model, batch, n)
-            step, first = time_decode(model.forward, cache, batch, max(4, args.steps // 8), 1)
+            step, first, _ = time_decode(model.forward, cache, batch, max(4, args.steps // 8), 1)
             row["compile_s"] = 0.0
         else:
             cache = random_static_cache(model, batch, n, args.room)
@@ -188,12 +191,11 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
                 sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local)
                 sparse_fx.attach_cache(model, cache)
                 forward = model.forward
-            before = benchlib.compile_phases()
-            step, first = time_decode(forward, cache, batch, args.steps, args.warmup)
+            step, first, phases = time_decode(forward, cache, batch, args.steps, args.warmup)
             row["compile_s"] = first - step
             # what of the first call torch.compile took (the rest: the first run of the compiled code)
-            row["compile_phases_s"] = benchlib.compile_phases(since=before)
-            row["torch_compile_s"] = row["compile_phases_s"].get("_compile.compile_inner", 0.0)
+            row["compile_phases_s"] = phases
+            row["torch_compile_s"] = phases.get("_compile.compile_inner", 0.0)
             if not method.startswith("dense"):
                 report = sparse_fx.explain(model)
                 row["sparse_layers"] = len(report.sparse_layers)
@@ -289,6 +291,7 @@ def save(rows: list[dict], configs, out, meta: dict, complete: bool, stem: str |
         if r.get("kind") == "ttft" and step is not None and "warm_s" in r:
             r["prompt_plus_1000_tokens_s"] = r["warm_s"] + 1000 * step / 1e3
     benchlib.save(out, stem or f"decode-{meta['date'][:10]}", {"meta": meta, "complete": complete, "rows": rows},
+                  keep_others=stem is None,
                   markdown=markdown(rows, meta) if complete else None,
                   plot=(lambda path: plot(decode, path)) if complete else None)
 

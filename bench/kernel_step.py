@@ -325,7 +325,7 @@ def main() -> None:
     res = run_gpu(a)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
     md = markdown(res)
-    paths = benchlib.save(a.out, f"kernels-{stamp}", res, markdown=md, plot=lambda path: plot(res, path))
+    paths = benchlib.save(a.out, f"kernels-{stamp}", res, markdown=md, plot=lambda path: plot(res, path), keep_others=True)
     print(md.split("\n\nPer kernel")[0])
     print(f"wrote {', '.join(str(p) for p in paths)} ({time.perf_counter() - T0:.0f} s)")
 

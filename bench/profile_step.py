@@ -39,7 +39,7 @@ def profile_method(model, original_forward, method: str, args) -> dict:
             sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local)
             sparse_fx.attach_cache(model, cache)
             forward = model.forward
-        step, first = time_decode(forward, cache, args.batch, args.steps, 3)
+        step, first, _ = time_decode(forward, cache, args.batch, args.steps, 3)
         ids = torch.randint(0, model.config.vocab_size, (args.batch, 1), device="cuda")
         with torch.no_grad():
             kernels = benchlib.kernel_times(lambda: forward(ids, past_key_values=cache, use_cache=True), reps=args.steps)

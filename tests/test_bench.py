@@ -173,15 +173,20 @@ def test_teacher_agreement_merges_runs_cell_by_cell(tmp_path):
 
 
 def test_results_of_another_run_are_never_overwritten(tmp_path):
-    """Two runs in the same minute once shared a stamp and the second erased the first; a
-    re-render of the same run (the same header) still rewrites its own files."""
+    """Two kernel_step runs in the same minute once shared a stamp and the second erased the
+    first; a checkpoint or re-render of the same run (the same header) still rewrites its own files."""
     code = ("import json, sys, benchlib; out = sys.argv[1]; "
             "a = {'meta': {'date': '1'}, 'rows': [1]}; b = {'meta': {'date': '2'}, 'rows': [2]}; "
-            "names = [benchlib.save(out, 'k', d, markdown='x')[0].name for d in (a, b, a, b, {**b, 'rows': [3]})]; "
+            "names = [benchlib.save(out, 'k', d, markdown='x', keep_others=True)[0].name for d in (a, b, a, b, {**b, 'rows': [3]})]; "
+            "open(out + '/odd.json', 'w').write('[1, 2]'); "
+            "names += [benchlib.save(out, 'odd', a, keep_others=True)[0].name, benchlib.save(out, 'k', b)[0].name]; "
             "print(json.dumps(names))")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=BENCH, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout) == ["k.json", "k-2.json", "k.json", "k-2.json", "k-2.json"]
-    assert json.loads((tmp_path / "k.json").read_text())["rows"] == [1]
+    # kept: another run's files; rewritten: the same run's; a file that is no results is another run's;
+    # without keep_others (a stem the user named), the stem is rewritten
+    assert json.loads(r.stdout) == ["k.json", "k-2.json", "k.json", "k-2.json", "k-2.json", "odd-2.json", "k.json"]
+    assert json.loads((tmp_path / "k.json").read_text())["rows"] == [2]
     assert json.loads((tmp_path / "k-2.json").read_text())["rows"] == [3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["k-2.json", "k-2.md", "k.json", "k.md"]
+    assert json.loads((tmp_path / "odd.json").read_text()) == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k-2.json", "k-2.md", "k.json", "k.md", "odd-2.json", "odd.json"]

@@ -91,8 +91,8 @@ def test_int2_scores_matches_reference(variant, dtype, G, D, group):
     torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=1e-5)
 
 
-def test_int2_scan_variant_follows_the_keys_scanned(monkeypatch):
-    """Unset, the 16-bit scan builds operands in place (3) from INT2_IN_PLACE_MIN_KEYS keys
+def test_int2_scan_variant_follows_the_cache_size(monkeypatch):
+    """Unset, the 16-bit scan builds operands in place (3) from INT2_IN_PLACE_MIN_KEYS cache slots
     (B * Hkv * L) and joins halves (2) below; the two round differently, so the default's output
     equals exactly one of them on each side of the threshold."""
     from sparse_fx.lowering.kernels import int2

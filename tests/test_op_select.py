@@ -277,9 +277,15 @@ def test_wide_cache_row_launch_selects_what_the_reference_selects(monkeypatch):
     assert select.cache_row_launch(2, 5000, None, None) == (select.BLOCK, None)  # 2 x 5: too few
     assert select.cache_row_launch(4, 6000, None, None) == (1024, None)  # more rows: the default cap
     assert select.cache_row_launch(2, 6000, 512, 8) == (512, 8)  # knobs win
+    from sparse_fx.lowering.kernels.compile_check import recording
+
     g = gen(32)
     scores = _scores("near-ties", 1, 2, 6000, g).to(DEV)
     mask = make_mask("bool", 1, 2, 6000, g, now=5900)
+    with recording() as launches:  # the default path takes the wide layout: 6 programs of one block a row
+        K.select_topk(scores, torch.tensor([5900], device=DEV), 900, 8, 16, mask, k_inner=300)
+    keys = [(grid, kw["BLOCK"]) for kernel, grid, _, kw in launches if kernel.fn.__name__ == "_score_keys_kernel"]
+    assert keys == [((6, 2), 1024)], keys
     check_nested(scores, torch.tensor([5900], device=DEV), 900, 300, 8, 16, mask)
     check(scores, torch.tensor([5900], device=DEV), 900, 8, 16, mask)
 
@@ -377,13 +383,14 @@ def test_select_real_shapes(kind, L, k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["float", "ties"])
 @pytest.mark.parametrize("row", [True, False])
-def test_select_nested_real_shapes(kind, row):
+@pytest.mark.parametrize("B", [1, 2])  # 8 rows: the raised program cap; 16: the default one
+def test_select_nested_real_shapes(kind, row, B):
     """A Prism proposal at 128K: the pool of 16384 and its budget of 4096 in one selection."""
     g = gen(17)
     L = 131072
-    scores = _scores(kind, 2, 8, L, g).to(DEV)
+    scores = _scores(kind, B, 8, L, g).to(DEV)
     pos = torch.tensor([L - 5], device=DEV)
-    mask = torch.ones(2, 1, 1, L, dtype=torch.bool, device=DEV)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device=DEV)
     out, inner = K.select_topk(scores, pos, 16384, 128, 128, mask, k_inner=4096, row=row)
     want, want_in = ref.select_nested(scores.cpu(), pos.cpu(), 16384, 4096, 128, 128, mask.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(inner.cpu(), want_in)

@@ -19,10 +19,10 @@ from .common import (
 )
 
 INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
-# Keys (B * Hkv * L) from which the scan builds its MMA operands in place (variant 3, fewer
-# instructions a tile) rather than joining halves (variant 2, shorter latency a tile). H200,
-# 2026-12-02 (results/kernel-tuning-2026-12-02.json): variant 3 wins by 5-9% at 4M keys and 9% at
-# 16M, loses by 7-22% at 1M and below.
+# Cache slots (B * Hkv * L, L the cache's capacity) from which the scan builds its MMA operands in
+# place (variant 3, fewer instructions a tile) rather than joining halves (variant 2, shorter
+# latency a tile). H200, 2026-12-02 (results/kernel-tuning-2026-12-02.json, full caches): variant 3
+# wins by 5-9% at 4M slots and 9% at 16M, loses by 7-22% at 1M and below.
 INT2_IN_PLACE_MIN_KEYS = 1 << 22
 
 

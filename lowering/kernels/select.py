@@ -62,13 +62,14 @@ WIN_BLOCK = tl.constexpr(256)
 # histogram, so 16-bin levels (two for 8-bit keys) and many programs win.
 BLOCK = 2048  # candidates per step of every pass (all passes of one select cut the same chunks)
 # A float selection over a cache row (not a pool) with fewer rows than the row kernel's takes
-# blocks of WIDE_BLOCK (about one a program) where that still makes ~2 programs an SM (rows x
-# blocks >= WIDE_MIN_PROGRAMS), and at up to WIDE_CAP_ROWS rows a program for each of a 128K row's
-# 32 blocks (cap WIDE_CAP).
+# blocks of WIDE_BLOCK where that still makes ~2 programs an SM (rows x blocks >= WIDE_MIN_PROGRAMS;
+# a program takes 1-2 blocks under the default cap), and at up to WIDE_CAP_ROWS rows up to WIDE_CAP
+# programs a row (one for each of a 128K row's 32 blocks; more would double the counts each later
+# program reads, P_PAD).
 # H200, results/kernel-tuning-2026-12-02.json, against BLOCK with WIDE_PROGS: the nested proposal
 # 22% faster at 128K batch 1, 4% at 128K batch 4, 19% at 32K batch 4; the pool alone 19% / -2% / 8%;
 # 32K batch 1 (64 programs at WIDE_BLOCK) keeps BLOCK, 28% faster there.
-WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 64, 8
+WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 32, 8
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
 WAVES = 4
 HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
@@ -699,7 +700,7 @@ def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=No
     by one program a row over the list's keys (`_by_rows`; row=True / False force it), else by the
     deeper levels and the select pass counting both. block / warps / waves (programs per SM) /
     level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py); unset, block and
-    cap follow `cache_row_launch` over a cache row, BLOCK and WIDE_PROGS over a pool."""
+    cap follow `cache_row_launch` over a cache row, else BLOCK and `plan_programs`' cap."""
     B, Hkv, N = scores.shape
     if positions is None and scores.is_floating_point():
         block, cap = cache_row_launch(B * Hkv, N, block, cap)
