@@ -185,8 +185,8 @@ def save(out_dir, stem: str, data: dict, markdown: str | None = None, plot=None,
     if "meta" not in data:
         raise ValueError("benchlib.save: data has no 'meta' header (benchlib.header(args))")
     out = _out_dir(str(out_dir))
-    base, n = stem, 1
-    while keep_others and (out / f"{stem}.json").exists() and _meta_of(out / f"{stem}.json") != _meta_of(data):
+    base, n, this_run = stem, 1, _meta_of(data)
+    while keep_others and (out / f"{stem}.json").exists() and _meta_of(out / f"{stem}.json") != this_run:
         n += 1
         stem = f"{base}-{n}"
     paths = [out / f"{stem}.json"]

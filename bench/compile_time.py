@@ -23,9 +23,6 @@ import time
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
-PHASES = benchlib.COMPILE_PHASES
-
-
 def _counting():
     """Counters of Inductor's scheduler work, by wrapping three of its methods (absent ones stay 0)."""
     from torch._inductor import scheduler as S
@@ -96,13 +93,13 @@ def run_fresh(plan: str, args) -> dict:
 def table(rows: list[dict], meta: dict) -> str:
     out = [f"Cold compile of the decode graph, {benchlib.where(meta)}, `{meta['command']}`; seconds "
            "(phases overlap: the scheduler's and codegen's sit inside GraphLowering's caller)", "",
-           "| plan | layers | compile s | " + " | ".join(PHASES) + " | scheduler nodes | fusion pairs | our kernels |",
-           "|---|---|---|" + "---|" * (len(PHASES) + 3)]
+           "| plan | layers | compile s | " + " | ".join(benchlib.COMPILE_PHASES) + " | scheduler nodes | fusion pairs | our kernels |",
+           "|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 3)]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['plan']} | {r['layers']} | error: {r['error']} |")
             continue
-        ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in PHASES)
+        ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in benchlib.COMPILE_PHASES)
         out.append(f"| {r['plan']} | {r['layers']} | {r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | "
                    f"{r['fusion_pairs_tried']} | {r['user_kernels_defined']} |")
     return "\n".join(out) + "\n"
