@@ -155,13 +155,18 @@ def _(codes, scale, zero, k, pos) -> None:
 
 @triton_op("sparse_fx::int2_scores", mutates_args=())
 def int2_scores(
-    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: Optional[torch.Tensor] = None
+    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Prism proposal scores [B,Hkv,L] float32: max over the group of <q, INT2 key>; with `pos`, -inf after pos[-1]."""
+    """Prism INT2 scores float32: max over the group of <q, INT2 key>, [B,Hkv,L] for every slot or
+    [B,Hkv,N] at the slots `positions` [B,Hkv,N] (-1 empty: -inf); with `pos`, -inf after pos[-1]."""
     _check(q.dim() == 4 and q.shape[2] == 1 and q.shape[1] % codes.shape[1] == 0, "int2_scores: q must be [B, Hq, 1, D] with Hq a multiple of Hkv")
-    if q.is_cuda and _kernels().int2_scores_supported(q, codes, scale, zero, pos):
-        return _kernels().int2_scores(q, codes, scale, zero, pos)
-    return ref.int2_scores(q, codes, scale, zero, pos)
+    _check(positions is None or (positions.dim() == 3 and positions.shape[:2] == codes.shape[:2] and not positions.is_floating_point()),
+           f"int2_scores: positions must be integer [B, Hkv, N] = [{codes.shape[0]}, {codes.shape[1]}, N], "
+           f"got {None if positions is None else (tuple(positions.shape), positions.dtype)}")
+    if q.is_cuda and _kernels().int2_scores_supported(q, codes, scale, zero, pos, positions):
+        return _kernels().int2_scores(q, codes, scale, zero, pos, positions)
+    return ref.int2_scores(q, codes, scale, zero, pos, positions)
 
 
 @triton_op("sparse_fx::mass_scores", mutates_args=())

@@ -189,13 +189,16 @@ def int2_write(
 
 
 def int2_scores(
-    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: torch.Tensor | None = None
+    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Prism proposal score: max over a KV head's query heads of <q, dequantised k>.
+    """Prism INT2 score: max over a KV head's query heads of <q, dequantised k>.
 
-    q [B,Hq,1,D], codes [B,Hkv,L,D/16], scale/zero [B,Hkv,L,D/g] -> [B,Hkv,L] float32. With `pos`
-    (the positions written this step), slots after pos[-1] hold no key yet: they score -inf and
-    the kernel never reads them.
+    q [B,Hq,1,D], codes [B,Hkv,L,D/16], scale/zero [B,Hkv,L,D/g] -> [B,Hkv,L] float32 (a proposal
+    layer scores every slot). With `positions` [B,Hkv,N] (a pool of slots, -1 empty) -> [B,Hkv,N],
+    the scores of those slots, -inf for empty entries (a refined layer ranking its pool by its own
+    INT2 keys). With `pos` (the positions written this step), slots after pos[-1] hold no key yet:
+    they score -inf and the kernel never reads them.
     """
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
@@ -204,6 +207,9 @@ def int2_scores(
     out = torch.matmul(qg, kd.transpose(-1, -2)).amax(2)
     if pos is not None:
         out = out.masked_fill(torch.arange(L, device=out.device) > pos[-1], float("-inf"))
+    if positions is not None:
+        at = torch.gather(out, 2, positions.clamp(0, L - 1).long())
+        out = at.masked_fill((positions < 0) | (positions >= L), float("-inf"))
     return out
 
 

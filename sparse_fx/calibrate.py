@@ -163,16 +163,19 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
         layers = capture(model, ids[w : w + 1], steps)
         mass = [attention_mass(*layers[i], allowed) for i in sparse]
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
+        # how a refined layer ranks the pool: its exact mass, or its own INT2 scores (refine="int2")
+        ranks = [selection_keys(int2_score(*layers[i], base.int2_group)) if base.refine == "int2"
+                 else selection_keys(m) for i, m in zip(sparse, mass)]
         for a, p in enumerate(sparse):
             q, k = layers[p]
             keys = selection_keys(proposal_score(p, q, k))
             pool = choose(keys, allowed, base.pool)
             own = choose(keys, pool, base.budget)  # the proposal's own choice: the served selections
             for b in range(a, len(sparse)):
-                if b == a or not handler.refine:
+                if b == a or not handler.rescores:
                     chosen = own
                 else:  # a refined layer: its own best within the pool
-                    chosen = choose(selection_keys(mass[b]), pool, base.budget)
+                    chosen = choose(ranks[b], pool, base.budget)
                 kept[a, b] += float(mass[b][chosen].sum())
     share = kept / best.clamp(min=1e-30)
     leads = _best_leads(share, math.ceil(len(sparse) / base.group))

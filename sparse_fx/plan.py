@@ -45,7 +45,11 @@ class Plan:
     width of `hash` (LSH until trained encoders are given); `int2_group` is the channels per INT2
     scale/zero group; `proposal` is how Prism's proposal layers score every key: INT2 copies of
     the keys (the paper) or `hash` signatures (4 bytes a key, then the refined layers re-score the
-    pool exactly as with INT2); `roles` (one per layer: proposal / refined / dense) overrides the uniform
+    pool exactly as with INT2); `refine` is how Prism's refined layers rank the pool: by exact
+    attention mass over their own keys (the paper), or by their own INT2 copies of the keys
+    (`int2`, name suffix -int2refine: 48 bytes a pool key read instead of 256 at head dim 128, at
+    the cost of INT2 side caches in every sparse layer and of the adaptive budget, which needs
+    exact mass); `roles` (one per layer: proposal / refined / dense) overrides the uniform
     grouping, "uniform" asks for it, and None (the default) takes the roles calibrated for the model
     when sparse_fx ships them (`sparse_fx.role_tables`), else the uniform grouping; `dense_layers`
     stay dense under any method; `encoders` is the directory of trained
@@ -65,6 +69,7 @@ class Plan:
     rho: float = 4.0
     int2_group: int = 32
     proposal: str = "int2"
+    refine: str = "exact"
     bits: int = 32
     seed: int = 0
     mass: float = 1.0
@@ -106,6 +111,9 @@ class Plan:
         if self.proposal not in handler.proposals:
             _fail(f"proposal={self.proposal!r} is not one {self.method!r} takes; valid: {', '.join(handler.proposals)} "
                   "(how proposal layers score every key: prism takes int2 or hash)")
+        if self.refine not in handler.refines:
+            _fail(f"refine={self.refine!r} is not one {self.method!r} takes; valid: {', '.join(handler.refines)} "
+                  "(how refined layers rank the pool: prism takes exact or int2)")
         if self.encoders is not None and not handler.uses_encoders(self):
             which = f"{self.method!r}" + (f" with proposal={self.proposal!r}" if len(handler.proposals) > 1 else "")
             _fail(f"encoders apply to plans that score with signatures (hash, prism with proposal='hash'), not {which}")

@@ -37,17 +37,18 @@ def assert_side_caches_match_the_keys(model, cache, n):
             assert state.side_caches.of_layer(layer) == []
             continue
         side = state.side_caches.layer(layer, KVShape.of(keys), specs)
+        assert {"signatures", "codes"} & set(side), f"layer {layer}: {sorted(side)}"
         if "signatures" in side:
             enc = state.layer_encoders(layer, KVShape.of(keys))
             expect = ref.pack_signs(apply_head_mlp(keys[:, :, :n], *enc.key.params()))
             assert torch.equal(side["signatures"][:, :, :n], expect), f"layer {layer} signatures"
-        else:
+        if "codes" in side:
             c, s, z = ref.int2_quantize(keys[:, :, :n], state.plan.int2_group)
             assert torch.equal(side["codes"][:, :, :n], c) and torch.equal(side["scale"][:, :, :n], s), f"layer {layer} INT2"
             assert torch.equal(side["zero"][:, :, :n], z)
 
 
-@pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "static-g2", "oracle"])
+@pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "prism-g2-hash-int2refine", "static-g2", "oracle"])
 def test_twenty_decode_steps_no_recompile_and_side_caches_match_recomputation(plan):
     model = tiny_model("llama", layers=4)
     sparse_fx.compile(model, plan, backend="eager", **PLAN_OPTIONS)

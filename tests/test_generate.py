@@ -15,7 +15,7 @@ from families import tiny_model
 from sparse_fx.api import sparse_state
 from test_decode import assert_side_caches_match_the_keys
 
-PLANS = ["oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2"]
+PLANS = ["oracle", "hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine", "static-g2"]
 SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8)
 
 
@@ -41,7 +41,7 @@ def test_fifty_calls_with_random_prompt_lengths_all_succeed_on_few_graphs():
     assert 1 <= graphs <= 8
 
 
-@pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash"])
+@pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine"])
 def test_beam_search_keeps_side_caches_in_step_with_the_reordered_keys(plan):
     model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -1,4 +1,5 @@
-"""int2_write (bit-exact INT2 quantisation) and int2_scores (the Prism proposal scan)."""
+"""int2_write (bit-exact INT2 quantisation) and int2_scores (the Prism proposal scan, and a refined
+layer's scan of its pool)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from opcheck import DEV, FAST, gen, poisoned, randn
+from opcheck import DEV, FAST, MORE, gen, poisoned, randn
 
 from sparse_fx.lowering import kernels as K
 from sparse_fx.lowering import reference as ref
@@ -129,6 +130,56 @@ def test_int2_scores_on_strided_buffers(pos):
     torch.testing.assert_close(got[fin], want[fin], atol=5e-5 * want[fin].abs().max().item() * 2, rtol=1e-5)
 
 
+def _pool(B, Hkv, N, L, filled, g, empty=0.2):
+    """A pool as a proposal hands it on: distinct written slots, ascending, -1 entries at the end,
+    inside a wider [B, Hkv, window + N] selection (a strided view)."""
+    rows = []
+    for _ in range(B * Hkv):
+        n = int(N * (1 - empty * torch.rand(1, generator=g)))
+        slots = torch.randperm(filled, generator=g)[:n].sort().values
+        rows.append(torch.cat([slots, torch.full((N - len(slots),), -1)]))
+    full = torch.cat([torch.zeros(B, Hkv, 3, dtype=torch.int32), torch.stack(rows).view(B, Hkv, N).int()], -1)
+    return full.to(DEV)[..., 3:]
+
+
+@MORE
+@given(G=st.sampled_from([1, 3, 4]), D=st.sampled_from([16, 64, 128]), N=st.integers(1, 300),
+       variant=st.sampled_from([0, 2, 3]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_int2_pool_scores_match_reference(G, D, N, variant, dtype, seed):
+    """A refined layer's scan of its pool: the score of entry n's slot at n, -inf for empty entries,
+    on a strided pool."""
+    g = gen(seed)
+    B, Hkv, L = 2, 2, 400
+    filled = max(N, int(torch.randint(1, L + 1, (1,), generator=g)))
+    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu() * 2, 16))
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=dtype)
+    pos = torch.tensor([filled - 1], device=DEV)
+    pool = _pool(B, Hkv, N, L, filled, g)
+    assert not pool.is_contiguous()
+    with poisoned():
+        got = K.int2_scores(q, codes, scale, zero, pos, pool, variant=variant).cpu()
+    want = ref.int2_scores(q.cpu(), codes.cpu(), scale.cpu(), zero.cpu(), pos.cpu(), pool.cpu())
+    assert got.shape == (B, Hkv, N) and torch.equal(torch.isinf(got), pool.cpu() < 0)
+    fin = torch.isfinite(want)
+    if fin.any():
+        tol = (3e-4 if variant and dtype == torch.float16 else 5e-5) * want[fin].abs().max().item() * math.sqrt(D / 16)
+        torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=1e-5)
+
+
+def test_int2_pool_scores_of_unwritten_slots_are_minus_inf():
+    """Pool entries past the query's position (never handed on by a proposal, but possible in a
+    user's call) score -inf, as the full scan scores those slots, and their codes are not read."""
+    g = gen(8)
+    B, Hkv, G, L, D = 1, 2, 2, 64, 32
+    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu(), 16))
+    codes[:, :, 40:] = 0x55555555  # garbage past the written slots
+    q = randn(B, Hkv * G, 1, D, g=g)
+    pool = torch.tensor([[[3, 39, 40, 63, -1]] * Hkv], dtype=torch.int32, device=DEV)
+    got = K.int2_scores(q, codes, scale, zero, torch.tensor([39], device=DEV), pool).cpu()
+    assert torch.isfinite(got[..., :2]).all() and torch.isinf(got[..., 2:]).all()
+
+
 @pytest.mark.parametrize("variant", [2, 3])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -143,3 +194,19 @@ def test_int2_scores_real_shapes(variant):
     assert (got - want).norm() / want.norm() < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_int2_pool_scores_real_shapes():
+    """A refined layer at 128K: a pool of 16384 of 131072 slots a row, batch 2."""
+    g = gen(6)
+    B, Hkv, G, L, D, N = 2, 8, 4, 131072, 128, 16384
+    k = randn(B, Hkv, L, D, g=g, dtype=torch.bfloat16)
+    codes, scale, zero = ref.int2_quantize(k, 32)
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
+    pool = torch.rand(B, Hkv, L, device=DEV).topk(N, -1).indices.sort(-1).values.int()
+    pool[0, 0, -100:] = -1
+    pos = torch.tensor([L - 1], device=DEV)
+    got = K.int2_scores(q, codes, scale, zero, pos, pool)
+    want = ref.int2_scores(q, codes, scale, zero, pos, pool)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and (got[fin] - want[fin]).norm() / want[fin].norm() < 1e-4

@@ -34,7 +34,7 @@ COVER = dict(budget=64, sink=2, local=3)  # budget + window cover the whole 64-s
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2"])
+@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine", "static-g2"])
 def test_budget_covering_context_equals_dense_in_every_call_form(form, plan):
     dense = ToyDecoder(form=form)
     sparse = compiled(dense, plan, int2_group=8, **COVER)

@@ -10,7 +10,7 @@ from sparse_fx import Plan
     "name, method, group",
     [("dense", "dense", 4), ("oracle", "oracle", 4), ("hash", "hash", 4), ("prism-g4", "prism", 4),
      ("prism-g9", "prism", 9), ("static-g4", "static", 4), ("Prism", "prism", 4), ("prism-g4-hash", "prism", 4),
-     ("static-g2-hash", "static", 2)],
+     ("static-g2-hash", "static", 2), ("prism-g4-int2refine", "prism", 4), ("prism-g2-hash-int2refine-uniform", "prism", 2)],
 )
 def test_parse_names(name, method, group):
     p = Plan.parse(name)
@@ -107,6 +107,21 @@ def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
     assert p.name == "prism-g2-hash-learned-calibrated"
     p.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == p
+
+
+def test_refined_layers_rank_by_int2_keys_by_name_or_option_and_in_files(tmp_path):
+    by_name, by_option = Plan.parse("prism-g4-int2refine"), Plan.parse("prism-g4", refine="int2")
+    assert by_name == by_option and by_name.refine == "int2" and Plan.parse("prism-g4").refine == "exact"
+    p = Plan.parse("prism-g2-hash-int2refine", roles=("proposal", "refined"))
+    assert p.name == "prism-g2-hash-int2refine-calibrated" and (p.proposal, p.refine) == ("hash", "int2")
+    p.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == p
+    with pytest.raises(ValueError, match=r"refine='int8' is not one 'prism' takes; valid: exact, int2"):
+        Plan.parse("prism-g4", refine="int8")
+    with pytest.raises(ValueError, match=r"refine='int2' is not one 'static' takes; valid: exact"):
+        Plan.parse("static-g4", refine="int2")
+    with pytest.raises(ValueError, match=r"refine='int2' ranks it by INT2 scores.*valid with mass < 1: refine='exact'"):
+        Plan.parse("prism-g4-int2refine-mass0.9")
 
 
 @pytest.mark.parametrize("name, method, mass", [

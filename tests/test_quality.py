@@ -175,7 +175,8 @@ def mlp_encoders(smollm2, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("plan", PLANS[1:] + POOLED + ["static-g4-hash", "oracle-mass0.9", "hash learned", "prism-g4-hash learned"])
+@pytest.mark.parametrize("plan", PLANS[1:] + POOLED + ["static-g4-hash", "oracle-mass0.9", "prism-g4-int2refine", "hash learned",
+                                  "prism-g4-hash learned"])
 def test_one_pass_selection_is_the_decode_steps(smollm2, mlp_encoders, monkeypatch, plan):
     """The one-pass selector's rows (left-padded, several per chunk) choose what the plan's decode step
     chooses at each position on an unpadded cache, key for key, ties and Prism pools included."""

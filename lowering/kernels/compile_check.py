@@ -117,6 +117,8 @@ def _scenarios():
     yield "int2_scores v2", lambda: K.int2_scores(q, codes, sc, sc, pos, variant=2)
     yield "int2_scores v3", lambda: K.int2_scores(q, codes, sc, sc, pos, variant=3)
     yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, sc, sc)
+    ranked = torch.zeros(B, Hkv, 256 + 16384, dtype=torch.int32)  # a refined layer's pool: a view of the proposal's list
+    yield "int2_scores pool", lambda: K.int2_scores(q, codes, sc, sc, pos, ranked[..., 256:])
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)

@@ -118,25 +118,39 @@ def int2_write(codes, scale, zero, k, pos) -> None:
 
 # ---------------------------------------------------------------------------------- scores
 @triton.jit
-def _int2_scales(s_row, z_row, start, filled, ssl, ssm, szl, szm,
-                 M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_L: tl.constexpr):
-    """The scales and zeros of BLOCK_L keys as float32 [BLOCK_L, M_PAD] (0 past the written keys)."""
-    o64 = (start + tl.arange(0, BLOCK_L)).to(tl.int64)
+def _int2_scales(s_row, z_row, keys, live, ssl, ssm, szl, szm, M: tl.constexpr, M_PAD: tl.constexpr):
+    """The scales and zeros of the keys at slots `keys` as float32 [BLOCK_L, M_PAD] (0 where not live)."""
     m = tl.arange(0, M_PAD)
-    lm = (o64 < filled)[:, None] & (m < M)[None, :]
-    sc = tl.load(s_row + o64[:, None] * ssl + m[None, :] * ssm, mask=lm, other=0.0).to(tl.float32)
-    z = tl.load(z_row + o64[:, None] * szl + m[None, :] * szm, mask=lm, other=0.0).to(tl.float32)
+    lm = live[:, None] & (m < M)[None, :]
+    sc = tl.load(s_row + keys[:, None] * ssl + m[None, :] * ssm, mask=lm, other=0.0).to(tl.float32)
+    z = tl.load(z_row + keys[:, None] * szl + m[None, :] * szm, mask=lm, other=0.0).to(tl.float32)
     return sc, z
 
 
 @triton.jit
+def _cache_keys(start, filled, BLOCK_L: tl.constexpr):
+    """A proposal's tile: slots start.. of the cache, live while written."""
+    keys = (start + tl.arange(0, BLOCK_L)).to(tl.int64)
+    return keys, keys < filled
+
+
+@triton.jit
+def _pool_keys(p_row, start, N, filled, spn, BLOCK_L: tl.constexpr):
+    """A refined layer's tile: entries start.. of its pool, the slots they hold (-1: empty, not live)."""
+    offs = start + tl.arange(0, BLOCK_L)
+    keys = tl.load(p_row + offs.to(tl.int64) * spn, mask=offs < N, other=-1).to(tl.int64)
+    return keys, (keys >= 0) & (keys < filled)
+
+
+@triton.jit
 def _int2_scores_tile(
-    q_bd, qsum, qmag, magic, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
+    q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
     MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
 ):
-    """Scores of BLOCK_L written keys (sc, z: their scales and zeros, loaded a tile ahead): their
+    """Scores [BLOCK_L] of the keys at slots `keys` (-inf where not live; sc, z: their scales and
+    zeros, loaded a tile ahead): their
     codes as a [BLOCK_L, D] tile of small floats times the block-diagonal query matrix
     [D, M_PAD * G_PAD] (column m * G_PAD + g holds query head g on the channels of scale group m)
     in one MMA; then per key and head sum_m scale_m * dot_m + zero_m * qsum_m, and the max over
@@ -152,12 +166,9 @@ def _int2_scores_tile(
     code * 4^(r // 4). A thread's operand registers r and r + 4 share the shift and no halves move;
     the query rows follow the columns' channels, scaled by 4^-(r // 4) (exact), and the constant's
     share, 2^k times the scaled rows' sum (qmag), is taken off the dot."""
-    offs = start + tl.arange(0, BLOCK_L)
-    o64 = offs.to(tl.int64)
-    live = offs < filled
     NW: tl.constexpr = D // 16
     w = tl.arange(0, NW)
-    words = tl.load(c_row + o64[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
+    words = tl.load(c_row + keys[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
     if VARIANT == 3:  # pair registers in the MMA's order: no halves moved
         r = tl.arange(0, 8)
         pair = ((words[:, :, None] >> (4 * (r % 4))[None, None, :]) & (0x00030003 << (2 * (r // 4)))[None, None, :]) | magic
@@ -182,8 +193,7 @@ def _int2_scores_tile(
         z = z - sc * MAGIC_VALUE
     acc = tl.sum(part * sc[:, :, None], axis=1) + tl.sum(z[:, :, None] * qsum[None, :, :], axis=1)
     acc = tl.where((tl.arange(0, G_PAD) < G)[None, :], acc, float("-inf"))
-    score = tl.where(live, tl.max(acc, axis=1), float("-inf"))
-    tl.store(o_row + o64 * sol, score, mask=offs < L)
+    return tl.where(live, tl.max(acc, axis=1), float("-inf"))
 
 
 @triton.jit
@@ -194,31 +204,17 @@ def _unwritten_tile(o_row, start, L, sol, BLOCK_L: tl.constexpr):
 
 
 @triton.jit
-def _int2_scores_kernel(
-    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, out_ptr,
-    Hkv, L, PROGS,
-    magic,  # VARIANT 2, 3: two copies of the 16-bit float 2^k (0x43004300 bf16, 0x64006400 fp16), an argument
-    # so that it sits in a register and each (code & mask) | magic is one instruction
-    sqb, sqh, sqd,
-    scb, sch, scl, scw,
-    ssb, ssh, ssl, ssm,
-    szb, szh, szl, szm,
-    sob, soh, sol,
-    G: tl.constexpr,  # query heads per KV head: all scored in one program, so codes are read once
-    G_PAD: tl.constexpr,  # G padded to a power of two
-    D: tl.constexpr,  # head dim (power of two)
-    M: tl.constexpr,  # scale groups per key
-    M_PAD: tl.constexpr,  # M padded so that M_PAD * G_PAD >= 16 (the MMA's narrowest N)
-    BLOCK_L: tl.constexpr,  # keys per loop step (rows of the MMA)
-    HAS_POS: tl.constexpr,  # stop at the query's position (slots after it hold no key yet)
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 queries (exact); bf16/fp16 queries and codes 0..3 are exact as is
-    OP_DTYPE: tl.constexpr,  # MMA operand dtype: the query's (fp32 under the interpreter)
-    VARIANT: tl.constexpr,  # how codes become MMA operands (see _int2_scores_tile)
-    MAGIC_VALUE: tl.constexpr,  # VARIANT 2, 3: 2^k as a float (128 or 1024)
-    HALF: tl.constexpr,  # VARIANT 2, 3: that 16-bit float type
-    USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
-    PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
+def _int2_scan(
+    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr,
+    Hkv, L, N, PROGS, magic,
+    sqb, sqh, sqd, scb, sch, scl, scw, ssb, ssh, ssl, ssm, szb, szh, szl, szm, spb, sph, spn, sob, soh, sol,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr, HAS_POS: tl.constexpr, POOL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
+    USE_FOR: tl.constexpr, PACKED: tl.constexpr,
 ):
+    """Both scans' body: over the cache's L slots (a proposal), or over the N entries of a pool of
+    slots (POOL, a refined layer: the scores of entry n at out[.., n])."""
     if PACKED:  # known strides let the loads vectorise (16 B of codes, 8 B of scales) and pipeline
         scl = D // 16
         scw = 1
@@ -250,41 +246,115 @@ def _int2_scores_kernel(
     s_row = scale_ptr + b * ssb + h * ssh
     z_row = zero_ptr + b * szb + h * szh
     o_row = out_ptr + b * sob + h * soh
-    # tiles holding written keys, then the unwritten rest (-inf, never read): no branch in the
-    # scoring loop, so its loads are software-pipelined
+    p_row = pool_ptr + b * spb + h * sph
+    # A proposal scores the tiles holding written keys, then marks the unwritten rest (-inf, never
+    # read): no branch in the scoring loop, so its loads are software-pipelined. A pool's entries
+    # are all scored (empty ones -inf): its tile's slots, scales and zeros are loaded a tile ahead.
     STEP = PROGS * BLOCK_L
     first = pid * BLOCK_L
-    rest = first + tl.cdiv(tl.maximum(filled - first, 0), STEP) * STEP
-    sc, z = _int2_scales(s_row, z_row, first, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)  # a tile ahead
+    stop = N if POOL else filled  # the scoring loop's end
+    width = N if POOL else L  # the output row's
+    rest = first + tl.cdiv(tl.maximum(stop - first, 0), STEP) * STEP
+    if POOL:
+        keys, live = _pool_keys(p_row, first, N, filled, spn, BLOCK_L)
+    else:
+        keys, live = _cache_keys(first, filled, BLOCK_L)
+    sc, z = _int2_scales(s_row, z_row, keys, live, ssl, ssm, szl, szm, M, M_PAD)  # a tile ahead
     if USE_FOR:
-        for start in tl.range(first, filled, STEP):  # grid-stride
-            sc_next, z_next = _int2_scales(s_row, z_row, start + STEP, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)
-            _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
-                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
-            sc = sc_next
-            z = z_next
-        for start in tl.range(rest, L, STEP):
-            _unwritten_tile(o_row, start, L, sol, BLOCK_L)
+        for start in tl.range(first, stop, STEP):  # grid-stride
+            if POOL:
+                keys_next, live_next = _pool_keys(p_row, start + STEP, N, filled, spn, BLOCK_L)
+            else:
+                keys_next, live_next = _cache_keys(start + STEP, filled, BLOCK_L)
+            sc_next, z_next = _int2_scales(s_row, z_row, keys_next, live_next, ssl, ssm, szl, szm, M, M_PAD)
+            score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
+                                      G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
+            offs = start + tl.arange(0, BLOCK_L)
+            tl.store(o_row + offs.to(tl.int64) * sol, score, mask=offs < width)
+            keys, live, sc, z = keys_next, live_next, sc_next, z_next
+        if not POOL:
+            for start in tl.range(rest, L, STEP):
+                _unwritten_tile(o_row, start, L, sol, BLOCK_L)
     else:
         start = first
-        while start < filled:
-            sc_next, z_next = _int2_scales(s_row, z_row, start + STEP, filled, ssl, ssm, szl, szm, M, M_PAD, BLOCK_L)
-            _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, o_row, start, filled, L, scl, scw, sol,
-                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
-            sc = sc_next
-            z = z_next
+        while start < stop:
+            if POOL:
+                keys_next, live_next = _pool_keys(p_row, start + STEP, N, filled, spn, BLOCK_L)
+            else:
+                keys_next, live_next = _cache_keys(start + STEP, filled, BLOCK_L)
+            sc_next, z_next = _int2_scales(s_row, z_row, keys_next, live_next, ssl, ssm, szl, szm, M, M_PAD)
+            score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
+                                      G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
+            offs = start + tl.arange(0, BLOCK_L)
+            tl.store(o_row + offs.to(tl.int64) * sol, score, mask=offs < width)
+            keys, live, sc, z = keys_next, live_next, sc_next, z_next
             start += STEP
-        start = rest
-        while start < L:
-            _unwritten_tile(o_row, start, L, sol, BLOCK_L)
-            start += STEP
+        if not POOL:
+            start = rest
+            while start < L:
+                _unwritten_tile(o_row, start, L, sol, BLOCK_L)
+                start += STEP
+
+
+# Two kernels of one body, so that a profile names a proposal's scan and a refined layer's apart.
+@triton.jit
+def _int2_scores_kernel(
+    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, out_ptr,
+    Hkv, L, PROGS,
+    magic,  # VARIANT 2, 3: two copies of the 16-bit float 2^k (0x43004300 bf16, 0x64006400 fp16), an argument
+    # so that it sits in a register and each (code & mask) | magic is one instruction
+    sqb, sqh, sqd,
+    scb, sch, scl, scw,
+    ssb, ssh, ssl, ssm,
+    szb, szh, szl, szm,
+    sob, soh, sol,
+    G: tl.constexpr,  # query heads per KV head: all scored in one program, so codes are read once
+    G_PAD: tl.constexpr,  # G padded to a power of two
+    D: tl.constexpr,  # head dim (power of two)
+    M: tl.constexpr,  # scale groups per key
+    M_PAD: tl.constexpr,  # M padded so that M_PAD * G_PAD >= 16 (the MMA's narrowest N)
+    BLOCK_L: tl.constexpr,  # keys per loop step (rows of the MMA)
+    HAS_POS: tl.constexpr,  # stop at the query's position (slots after it hold no key yet)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 queries (exact); bf16/fp16 queries and codes 0..3 are exact as is
+    OP_DTYPE: tl.constexpr,  # MMA operand dtype: the query's (fp32 under the interpreter)
+    VARIANT: tl.constexpr,  # how codes become MMA operands (see _int2_scores_tile)
+    MAGIC_VALUE: tl.constexpr,  # VARIANT 2, 3: 2^k as a float (128 or 1024)
+    HALF: tl.constexpr,  # VARIANT 2, 3: that 16-bit float type
+    USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
+    PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
+):
+    _int2_scan(q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, tpos_ptr, out_ptr, Hkv, L, L, PROGS, magic,
+               sqb, sqh, sqd, scb, sch, scl, scw, ssb, ssh, ssl, ssm, szb, szh, szl, szm, 0, 0, 0, sob, soh, sol,
+               G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, False, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
+               USE_FOR, PACKED)
+
+
+@triton.jit
+def _int2_pool_scores_kernel(
+    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr,
+    Hkv, L, N, PROGS, magic,
+    sqb, sqh, sqd,
+    scb, sch, scl, scw,
+    ssb, ssh, ssl, ssm,
+    szb, szh, szl, szm,
+    spb, sph, spn,  # the pool [B, Hkv, N] of cache slots
+    sob, soh, sol,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr, HAS_POS: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
+    VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr, USE_FOR: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    _int2_scan(q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr, Hkv, L, N, PROGS, magic,
+               sqb, sqh, sqd, scb, sch, scl, scw, ssb, ssh, ssl, ssm, szb, szh, szl, szm, spb, sph, spn, sob, soh, sol,
+               G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, True, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
+               USE_FOR, PACKED)
 
 
 _OP_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def int2_scores_supported(q, codes, scale, zero, pos=None) -> bool:
-    if not on_kernel_device(q, codes, scale, zero, pos):
+def int2_scores_supported(q, codes, scale, zero, pos=None, positions=None) -> bool:
+    if not on_kernel_device(q, codes, scale, zero, pos, positions):
         return False
     if q.dim() != 4 or codes.dim() != 4 or scale.dim() != 4 or zero.dim() != 4:
         return False
@@ -304,33 +374,36 @@ def int2_scores_supported(q, codes, scale, zero, pos=None) -> bool:
         and q.shape[0] == codes.shape[0]
         and q.shape[1] % codes.shape[1] == 0
         and (pos is None or (pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point()))
+        and (positions is None or (positions.dim() == 3 and positions.shape[:2] == codes.shape[:2]
+                                   and not positions.is_floating_point() and positions.dtype != torch.bool))
     )
 
 
-def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=4, stages=STREAM_STAGES,
-                waves=STREAM_WAVES, variant=None) -> torch.Tensor:
-    """max over the group of <q, dequantised k>: [B,Hkv,L] float32 (reference.int2_scores)."""
+def int2_scores(q, codes, scale, zero, pos=None, positions=None, *, block_l=INT2_BLOCK_L, warps=4,
+                stages=STREAM_STAGES, waves=STREAM_WAVES, variant=None) -> torch.Tensor:
+    """max over the group of <q, dequantised k>: [B,Hkv,L] float32, or [B,Hkv,N] at the slots
+    `positions` [B,Hkv,N] (reference.int2_scores)."""
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
+    N = L if positions is None else positions.shape[-1]
     M = scale.shape[-1]
     G = Hq // Hkv
-    out = torch.empty(B, Hkv, L, dtype=torch.float32, device=codes.device)
-    if B * Hkv * L == 0:
+    out = torch.empty(B, Hkv, N, dtype=torch.float32, device=codes.device)
+    if B * Hkv * N == 0:
         return out
     G_PAD = pow2(G)
-    progs = programs_per_row(B * Hkv, triton.cdiv(L, block_l), codes.device, waves=waves)
+    progs = programs_per_row(B * Hkv, triton.cdiv(N, block_l), codes.device, waves=waves)
     op = torch.float32 if upcast_dot(q.dtype) or interpreting() else q.dtype
     half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
     if half is None:
         variant = 0  # fp32 queries: the exact path
     elif variant is None:
-        variant = 3 if B * Hkv * L >= INT2_IN_PLACE_MIN_KEYS else 2
-    torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
-        q, codes, scale, zero, pos[-1:] if pos is not None else codes, out,
-        Hkv, L, progs,
-        0x43004300 if half == torch.bfloat16 else 0x64006400,
-        q.stride(0), q.stride(1), q.stride(3),
-        *codes.stride(), *scale.stride(), *zero.stride(), *out.stride(),
+        variant = 3 if B * Hkv * N >= INT2_IN_PLACE_MIN_KEYS else 2
+    tpos = pos[-1:] if pos is not None else codes
+    common = (Hkv, L) + ((N,) if positions is not None else ()) + (progs, 0x43004300 if half == torch.bfloat16 else 0x64006400,
+                                                                     q.stride(0), q.stride(1), q.stride(3),
+                                                                     *codes.stride(), *scale.stride(), *zero.stride())
+    consts = dict(
         G=G, G_PAD=G_PAD, D=D, M=M, M_PAD=max(M, 16 // min(G_PAD, 16)), BLOCK_L=block_l,
         HAS_POS=pos is not None,
         DOT_PRECISION="ieee" if op == torch.float32 else "tf32",
@@ -342,4 +415,10 @@ def int2_scores(q, codes, scale, zero, pos=None, *, block_l=INT2_BLOCK_L, warps=
         PACKED=codes.stride()[2:] == (D // 16, 1) and scale.stride()[2:] == zero.stride()[2:] == (M, 1),
         num_warps=warps, num_stages=stages,
     )
+    if positions is None:
+        torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
+            q, codes, scale, zero, tpos, out, *common, *out.stride(), **consts)
+    else:
+        torch.library.wrap_triton(_int2_pool_scores_kernel)[(progs, B * Hkv)](
+            q, codes, scale, zero, tpos, positions, out, *common, *positions.stride(), *out.stride(), **consts)
     return out

@@ -67,6 +67,7 @@ class Method:
     explicit_roles = False  # whether a plan may give its layer roles (a calibrated plan)
     shipped_roles = False  # whether its default roles come from a shipped calibrated table when one matches (role_tables)
     proposals = ("int2",)  # the plan's `proposal` values it takes (the first is the default)
+    refines = ("exact",)  # the plan's `refine` values it takes (the first is the default)
     rewrites = True  # whether any layer can run sparse (the dense plan: none)
     takes_mass = False  # whether its selections can estimate attention mass (plans with mass < 1)
 

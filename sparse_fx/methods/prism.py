@@ -2,9 +2,13 @@
 candidates; the refined layers after them re-score only that pool with their own exact keys.
 With `proposal="hash"` (plan name suffix `-hash`) proposal layers score with HashAttention's
 32-bit signatures instead (4 bytes a key against INT2's 48 at head dim 128), beyond both papers.
+With `refine="int2"` (suffix `-int2refine`) refined layers rank the pool by their own INT2 copies
+of the keys (max over the group of <q, INT2 key>, as a proposal ranks its own budget) instead of
+exact mass: at 128K the exact re-score of a 16K pool re-reads 4 MB of bf16 keys a KV head, the
+step's largest cost; INT2 reads 48 bytes a key, and every sparse layer keeps INT2 copies.
 
 Under a plan's mass < 1 (`reference.trim_to_mass`) refined layers trim their budget by the
-exact attention mass over the pool; proposal layers keep the full budget. They have no exact mass:
+exact attention mass over the pool (so `refine="int2"` refuses it); proposal layers keep the full budget. They have no exact mass:
 Hamming similarity is no logit, and a softmax over INT2 scores was measured overconfident (twice
 the exact top token's share; its cut kept 0.66 of the exact pool mass where the fixed budget keeps
 0.77, and cost prism-g4 1.3-2.5 points of agreement, bench/NOTES.md). The pool itself is always
@@ -33,24 +37,31 @@ LAYER_ROLES = ("dense", "proposal", "refined")
 class Prism(Method):
     description = ("proposal layers score every key (INT2 copies, or signatures with proposal='hash') and build a "
                    "candidate pool that refined layers re-score (Prism)")
-    name, name_option, name_forms = "prism", ("g", "group"), "prism-g<G>[-hash][-uniform] (e.g. prism-g4, prism-g9, prism-g4-hash, prism-g4-uniform)"
+    name, name_option = "prism", ("g", "group")
+    name_forms = ("prism-g<G>[-hash][-int2refine][-uniform] (e.g. prism-g4, prism-g9, prism-g4-hash, "
+                  "prism-g4-int2refine, prism-g4-uniform)")
     explicit_roles = True
     shipped_roles = True
     proposals = ("int2", "hash")
+    refines = ("exact", "int2")
     takes_mass = True  # refined layers: exact mass over the pool (proposal layers keep the full budget)
-    refine = True  # refined layers re-score the pool (False: reuse the proposal's selection)
+    rescores = True  # refined layers re-score the pool (False: reuse the proposal's selection)
     search = False  # calibration: both paths everywhere, a device flag per layer picks
 
     def parse(self, text):
         uniform = text.endswith("-uniform")
         text = text.removesuffix("-uniform")
+        int2refine = text.endswith("-int2refine")
+        text = text.removesuffix("-int2refine")
         fields = super().parse(text.removesuffix("-hash"))
         if fields is None:
             return None
-        return {**fields, **({"proposal": "hash"} if text.endswith("-hash") else {}), **({"roles": "uniform"} if uniform else {})}
+        return {**fields, **({"proposal": "hash"} if text.endswith("-hash") else {}),
+                **({"refine": "int2"} if int2refine else {}), **({"roles": "uniform"} if uniform else {})}
 
     def plan_name(self, plan):
         return (f"{self.name}-g{plan.group}" + ("-hash" if plan.proposal == "hash" else "")
+                + ("-int2refine" if plan.refine == "int2" else "")
                 + ("-learned" if plan.encoders else "") + ("-calibrated" if isinstance(plan.roles, tuple) else "")
                 + ("-uniform" if plan.roles == "uniform" else ""))
 
@@ -59,14 +70,17 @@ class Prism(Method):
 
     def describe(self, state):
         p = state.plan
-        if p.proposal != "hash":
-            return f"{p.name} (INT2 proposals)"
-        return f"{p.name} (proposals by {signature_kind(state)} {p.bits}-bit signatures)"
+        how = "INT2 proposals" if p.proposal != "hash" else f"proposals by {signature_kind(state)} {p.bits}-bit signatures"
+        return f"{p.name} ({how}" + (", pools ranked by INT2 keys)" if p.refine == "int2" else ")")
 
     def notices(self, state):
         return lsh_notice(state, state.plan.name) if state.plan.proposal == "hash" else {}
 
     def validate(self, plan):
+        if plan.refine == "int2" and plan.mass < 1:
+            raise ValueError(f"sparse_fx: mass={plan.mass} needs refined layers ranking the pool by exact mass; "
+                             "refine='int2' ranks it by INT2 scores, which are no attention mass (valid with mass < 1: "
+                             "refine='exact')")
         if plan.group < 1:
             raise ValueError(f"sparse_fx: group must be >= 1 layer (1: every layer proposes, no sharing), got {plan.group}")
         if isinstance(plan.roles, tuple):
@@ -120,7 +134,7 @@ class Prism(Method):
 
     def check(self, info, plan):
         D = info.head_dim
-        if D is not None and plan.proposal == "int2":
+        if D is not None and "int2" in (plan.proposal, plan.refine):
             problem = self._int2_problem(D, plan)
             if problem:
                 raise ValueError(f"sparse_fx: {problem}")
@@ -135,24 +149,30 @@ class Prism(Method):
             return f"int2_group={plan.int2_group} does not divide head dim {D}; valid: {valid}"
         return None
 
-    # ---------------------------------------------------------------- side cache: INT2 keys or signatures
+    # ---------------------------------------------------------------- side caches: INT2 keys and/or signatures
+    @staticmethod
+    def _scorers(role, plan) -> set[str]:
+        """What a layer of this role scores its keys with: its proposal's kind, INT2 to refine by."""
+        kinds = {plan.proposal} if role in ("proposal", "search") else set()
+        return kinds | ({"int2"} if role in ("refined", "search") and plan.refine == "int2" else set())
+
     def side_cache(self, role, kv, plan):
-        if role not in ("proposal", "search"):
-            return {}
-        if plan.proposal == "hash":
-            return signature_cache(plan)
-        M = kv.head_dim // plan.int2_group
-        return {"codes": Spec((kv.head_dim // INT2_CODES_PER_WORD,), torch.int32),
-                "scale": Spec((M,), SCALE_DTYPE), "zero": Spec((M,), SCALE_DTYPE)}
+        kinds = self._scorers(role, plan)
+        out = signature_cache(plan) if "hash" in kinds else {}
+        if "int2" in kinds:
+            M = kv.head_dim // plan.int2_group
+            out |= {"codes": Spec((kv.head_dim // INT2_CODES_PER_WORD,), torch.int32),
+                    "scale": Spec((M,), SCALE_DTYPE), "zero": Spec((M,), SCALE_DTYPE)}
+        return out
 
     def write(self, emit, state, layer, kv, side, new_keys, pos):
-        if state.plan.proposal == "hash":
+        if "signatures" in side:
             write_signatures(emit, state, layer, kv, side, new_keys, pos)
-        else:
+        if "codes" in side:
             emit.call(OPS.int2_write.default, side["codes"], side["scale"], side["zero"], new_keys, pos)
 
     def site_problem(self, role, kv, plan):
-        return self._int2_problem(kv.head_dim, plan) if role in ("proposal", "search") and plan.proposal == "int2" else None
+        return self._int2_problem(kv.head_dim, plan) if "int2" in self._scorers(role, plan) else None
 
     # ---------------------------------------------------------------- decode
     def select(self, emit, state, site):
@@ -201,10 +221,15 @@ class Prism(Method):
         return emit.call(operator.getitem, ranked, window), idx
 
     def _refine(self, emit, state, site, pool, proposal_idx):
-        """Re-score the proposal's pool with this layer's exact keys (static: reuse its choice)."""
-        if not self.refine:
+        """Re-score the proposal's pool with this layer's exact keys, or its INT2 keys (static:
+        reuse its choice)."""
+        if not self.rescores:
             return proposal_idx
-        p = state.plan  # the mass of the pool ranked as it is computed (mass_select), never written out
+        p, side = state.plan, site.side
+        if p.refine == "int2":
+            scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos, pool)
+            return self.topk(emit, state, site, scores, p.budget, positions=pool)
+        # the mass of the pool ranked as it is computed (mass_select), never written out
         return emit.call(OPS.mass_select.default, site.q, site.k, site.scale, site.mask, pool, site.pos, p.budget,
                          p.sink, p.local, site.start, p.mass)
 
@@ -212,7 +237,8 @@ class Prism(Method):
 class Static(Prism):
     name, name_forms = "static", "static-g<G>[-hash] (e.g. static-g4)"
     description = "proposal layers' selections reused unchanged by the next layers (IndexCache-style ablation)"
-    refine = False
+    rescores = False
+    refines = ("exact",)
     takes_mass = False  # its proposal layers keep the full budget and the others reuse their choice
     shipped_roles = False  # the ablation baseline keeps its uniform grouping unless given roles
 
