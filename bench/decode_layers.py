@@ -62,16 +62,19 @@ def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, he
     """Bytes one sparse layer's decode step must read at the least (prism-g<G>: the average over its
     group of one proposal and G - 1 refined layers): what its scores read — 32-bit signatures
     (hash, a prism-g4-hash proposal), INT2 codes with fp16 scale and zero per 32 channels (a prism-g4
-    proposal), the pool's K rows (a refined layer) — and the `kept` selected K/V rows. rows: batch x
-    KV heads; refined_kept: the rows a refined layer gathers, when an adaptive budget keeps fewer."""
+    proposal), the pool's K rows (a refined layer; -int2refine: the pool's INT2 codes and scales) —
+    and the `kept` selected K/V rows. rows: batch x KV heads; refined_kept: the rows a refined layer
+    gathers, when an adaptive budget keeps fewer."""
     gathered = rows * kept * 2 * 2 * head_dim
     if plan == "hash":
         return rows * filled * 4 + gathered
-    m = re.fullmatch(r"prism-g(\d+)(-hash)?", plan)
+    m = re.fullmatch(r"prism-g(\d+)(-hash)?(-int2refine)?", plan)
     if m is None:
-        raise ValueError(f"step_floor_bytes: no bytes model for plan {plan!r} (hash, prism-g<G>[-hash])")
+        raise ValueError(f"step_floor_bytes: no bytes model for plan {plan!r} (hash, prism-g<G>[-hash][-int2refine])")
     group = int(m.group(1))
-    scanned = 4 if m.group(2) else head_dim // 4 + 4 * (head_dim // 32)  # signatures, or INT2 codes + scales
+    int2 = head_dim // 4 + 4 * (head_dim // 32)  # INT2 codes + fp16 scale and zero a key
+    scanned = 4 if m.group(2) else int2  # signatures, or INT2
     proposal = rows * filled * scanned + gathered
-    refined = rows * pool * 2 * head_dim + (gathered if refined_kept is None else rows * refined_kept * 2 * 2 * head_dim)
+    rescored = int2 if m.group(3) else 2 * head_dim  # a pool key's INT2 copy, or its K row
+    refined = rows * pool * rescored + (gathered if refined_kept is None else rows * refined_kept * 2 * 2 * head_dim)
     return (proposal + (group - 1) * refined) / group

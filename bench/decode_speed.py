@@ -2,8 +2,8 @@
 
 Compares, in one process and on the same KV cache contents: Hugging Face's default generate path
 (eager, DynamicCache), dense decode compiled with a static cache and CUDA graphs (HF's repeat_kv +
-masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash`, `prism-g4` and `prism-g4-hash`
-(and `prism-g4-mass0.95`: over random caches attention is nearly uniform, so its row shows what the
+masked SDPA, and SDPA with enable_gqa), and `sparse_fx.compile` with `hash`, `prism-g4`, `prism-g4-hash` and
+`prism-g4-int2refine` (refined layers ranking the pool by INT2 keys) (and `prism-g4-mass0.95`: over random caches attention is nearly uniform, so its row shows what the
 adaptive budget's trim costs rather than what it saves).
 Decode speed does not depend on weight or cache values, so caches are filled with random keys and
 values instead of running a 128K prefill per method. Beside each step: the bytes it must read
@@ -33,7 +33,7 @@ import sparse_fx
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 from decode_layers import step_floor_bytes  # bench/decode_layers.py
 
-SPARSE = ("hash", "prism-g4", "prism-g4-hash", "prism-g4-mass0.95")  # sparse_fx plans this bench compiles
+SPARSE = ("hash", "prism-g4", "prism-g4-hash", "prism-g4-int2refine", "prism-g4-mass0.95")  # sparse_fx plans this bench compiles
 METHODS = ("hf-default", "dense", "dense-gqa", *SPARSE)
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -33,7 +33,8 @@ case "${1:-}" in
     run python3 bench/kernel_tuning.py --only int2 select mass --contexts 131072 32768 "${base[@]}" --out "$out" \
       2>&1 | tee "$out/tuning.log" | tail -14 ;;
   step)
-    run python3 bench/kernel_step.py --repeat 2 --short --plans hash prism-g4 prism-g4-hash --out "$out" | tail -12
+    run python3 bench/kernel_step.py --repeat 2 --short --plans hash prism-g4 prism-g4-hash prism-g4-int2refine \
+      --out "$out" | tail -12
     run python3 bench/kernel_step.py --repeat 2 --contexts 131072 --batches 1 16 --plans prism-g4 prism-g4-mass0.95 \
       --sharpness 3.25 --out "$out" | tail -4 ;;
   e2e-b4)

@@ -10,6 +10,8 @@ Each plan's step is called through the ops the compiled graph runs (torch.ops.sp
             mass from them -> attention); reported per layer, as the group's average
   prism-g4-hash  the same group with a signature proposal (hash_select_nested: Hamming keys fused
             with the pool's and the budget's selection)
+  prism-g4-int2refine  prism-g4 whose refined layers rank the pool by their own INT2 keys
+            (int2_scores over the pool's slots -> select_topk of the pool -> attention)
   prism-g4-mass0.95  prism-g4 with the adaptive budget: refined layers' selections trimmed to 0.95
             of the pool's attention mass (mass_select's trim); the mean tokens they keep is reported
 against dense decode attention over the whole cache (SDPA with enable_gqa, flash, unmasked: the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import sys
@@ -57,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--short", action="store_true", help="also a cache filled to budget + sink + local")
     p.add_argument("--repeat", type=int, default=1, help="measure each shape this many times (medians reported)")
     p.add_argument("--plans", nargs="+", default=["hash", "prism-g4", "prism-g4-hash"],
-                   choices=["hash", "prism-g4", "prism-g4-hash", "prism-g4-mass0.95"])
+                   choices=["hash", "prism-g4", "prism-g4-hash", "prism-g4-int2refine", "prism-g4-mass0.95"])
     p.add_argument("--sharpness", type=float, default=1.0, help="query scale: the spread of the attention logits")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes; prints only")
     benchlib.add_out(p)
@@ -95,9 +98,10 @@ class Steps:
             out.append(OPS.sparse_decode_attention(st.q[i], st.k[i], st.v[i], idx, None, st.mask))
         return out
 
-    def prism(self, proposal: str = "int2", mass: float = 1.0):
+    def prism(self, proposal: str = "int2", mass: float = 1.0, refine: str = "exact"):
         """One group: layer 0 proposes, layers 1..3 refine (their K/V: layer j % NL); mass < 1 trims
-        the refined layers' selections (the adaptive budget)."""
+        the refined layers' selections (the adaptive budget); refine="int2" ranks the pool by the
+        refined layer's INT2 keys."""
         st, a = self.st, self.a
         if proposal == "hash":
             q_logits = (st.q[0] @ st.proj)[:, :, 0]
@@ -111,7 +115,12 @@ class Steps:
         idx = [own]
         for j in (1, 2, 3):
             i = j % st.nl
-            idx.append(OPS.mass_select(st.q[i], st.k[i], None, st.mask, pool, st.pos, a.budget, a.sink, a.local, None, mass))
+            if refine == "int2":
+                scores = OPS.int2_scores(st.q[i], *st.int2[i], st.pos, pool)
+                idx.append(OPS.select_topk(scores, st.pos, a.budget, a.sink, a.local, st.mask, pool, None))
+            else:
+                idx.append(OPS.mass_select(st.q[i], st.k[i], None, st.mask, pool, st.pos, a.budget, a.sink, a.local, None,
+                                           mass))
         self.refined = idx[1:]
         return [OPS.sparse_decode_attention(st.q[j % st.nl], st.k[j % st.nl], st.v[j % st.nl], x, None, st.mask)
                 for j, x in enumerate(idx)]
@@ -122,6 +131,9 @@ class Steps:
     def prism_mass(self):
         return self.prism(mass=0.95)
 
+    def prism_int2refine(self):
+        return self.prism(refine="int2")
+
     def refined_kept(self) -> float:
         """Mean tokens a refined layer chose by score in the last Prism step (besides the window)."""
         return statistics.mean(float((x[..., self.win:] >= 0).sum(-1).double().mean()) for x in self.refined)
@@ -131,7 +143,8 @@ class Steps:
         return tuple((plan, getattr(self, PLANS[plan]), self.st.nl if plan == "hash" else 4) for plan in names)
 
 
-PLANS = {"hash": "hash", "prism-g4": "prism", "prism-g4-hash": "prism_hash", "prism-g4-mass0.95": "prism_mass"}  # plan -> its Steps method
+PLANS = {"hash": "hash", "prism-g4": "prism", "prism-g4-hash": "prism_hash", "prism-g4-int2refine": "prism_int2refine",
+         "prism-g4-mass0.95": "prism_mass"}  # plan -> its Steps method
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -147,6 +160,7 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_hist_kernel": R * n * 2,  # keys (1-2 bytes) read back
         "_select_kernel": R * n * 2 + R * K * 4,
         "_int2_scores_kernel": R * n * (D // 4 + 4 * (D // 32) + 4),  # codes, fp16 scale/zero, fp32 score
+        "_int2_pool_scores_kernel": R * P * (4 + D // 4 + 4 * (D // 32) + 4),  # the pool's slots, their INT2, scores
         "_score_keys_kernel": R * n * (4 + 2) + B * n,
         "_mass_logits_kernel": R * P * (2 * D + 8 + 4 * HQ // HKV),  # pool K rows, positions, logits scratch
         # a proposal's inner list: the pool's positions twice, its keys gathered, written and read 3 times; the list
@@ -271,7 +285,7 @@ def markdown(res: dict) -> str:
 def plot(res: dict, path) -> None:
     plt = benchlib.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for plan, style in zip((p for p in PLANS if p in res["rows"][0]), ("-", "--", ":", "-.")):
+    for plan, style in zip((p for p in PLANS if p in res["rows"][0]), itertools.cycle(("-", "--", ":", "-."))):
         for B in sorted({r["batch"] for r in res["rows"]}):
             pts = sorted((r["context"], r[plan]["speedup"]) for r in res["rows"] if r["batch"] == B and r["filled"] == r["context"])
             if pts:
