@@ -3,12 +3,11 @@
 A Prism refined layer re-scores the proposal's pool (ρ x budget keys) with its exact keys: at 128K,
 batch 16, with a pool of 16384, that re-read is 145 us a refined layer at the H200's copy
 bandwidth, a third of prism-g4's kernel step (bench/NOTES.md). INT2 keys are 48 bytes a key
-against 256, so the same re-score from INT2 copies would cost about a fifth. This experiment asks
-the quality question first: the variant `prismq` is prism with INT2 side caches in every sparse
-layer, whose refined layers rank the pool by max over the group of <q, INT2 key> (as the proposal
-ranks its own budget within the pool) instead of by exact mass. It is registered here only, not a
-product plan; teacher-forced agreement over the same windows as bench/teacher_agreement.py, on
-the offline SmolLM2, against oracle and prism-g4 (uniform roles and the shipped calibrated ones).
+against 256. `prism-g4-int2refine` (`refine="int2"`) keeps INT2 side caches in every sparse layer
+and ranks a refined layer's pool by max over the group of <q, INT2 key> (as the proposal ranks its
+own budget within the pool) instead of by exact mass. This compares the two by teacher-forced
+agreement over the same windows as bench/teacher_agreement.py, on the offline SmolLM2, against the
+oracle, with uniform roles and the shipped calibrated ones.
 
     python bench/refine_by_int2.py --contexts 2048,4096 --windows 4 --span 128
 Writes <out>/refine-by-int2.json and .md.
@@ -21,36 +20,12 @@ import time
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 
-
-def register_variant():
-    """The `prismq` method: prism whose refined layers keep INT2 keys and rank the pool by them."""
-    import torch
-
-    from sparse_fx import methods
-    from sparse_fx.methods.prism import Prism
-
-    ops = torch.ops.sparse_fx
-
-    class PrismQ(Prism):
-        name, name_forms = "prismq", "prismq-g<G>"
-        shipped_roles = False  # roles are given explicitly below
-
-        def side_cache(self, role, kv, plan):
-            return super().side_cache("proposal" if role == "refined" else role, kv, plan)
-
-        def _refine(self, emit, state, site, pool, proposal_idx):
-            p, side = state.plan, site.side
-            scores = emit.call(ops.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
-            at_pool = emit.call(torch.gather, scores, 2, pool.clamp(min=0).long())  # -1 entries: masked by positions
-            return emit.call(ops.select_topk.default, at_pool, site.pos, p.budget, p.sink, p.local, site.mask, pool,
-                             site.start)
-
-    methods.register(PrismQ())
+PLANS = ["oracle", "prism-g4", "prism-g4-uniform", "prism-g4-int2refine-uniform", "prism-g4-int2refine"]
 
 
 def markdown(report: dict) -> str:
     m = report["meta"]
-    lines = [f"Refined layers ranking the pool by INT2 keys (`prismq`) against exact mass (`prism`), SmolLM2, "
+    lines = [f"Refined layers ranking the pool by INT2 keys (`-int2refine`) against exact mass, SmolLM2, "
              f"{benchlib.where(m)}, `{m['command']}`; agreement with dense ± one standard error over windows", "",
              "| context | plan | agreement | of oracle | CE delta | tokens kept |", "|---|---|---|---|---|---|"]
     for cell in report["cells"]:
@@ -72,17 +47,11 @@ def main() -> None:
     benchlib.add_out(p)
     a = p.parse_args()
 
-    import sparse_fx
     import teacher_agreement as ta  # bench/teacher_agreement.py
-    from sparse_fx import role_tables
-    from sparse_fx.model_info import ModelInfo
     from sparse_fx.models import load_model
 
-    register_variant()
     model, tok = load_model("smollm2", device=a.device)
-    plans = ta.plans_of(["oracle", "prism-g4", "prism-g4-uniform", "prismq-g4"], [])
-    calibrated = role_tables.resolve(plans["prism-g4"], model, ModelInfo.of(model))
-    plans["prismq-g4 calibrated"] = sparse_fx.Plan.parse("prismq-g4", roles=calibrated.roles)
+    plans = ta.plans_of(PLANS, [])  # prism-g4 and prism-g4-int2refine take the shipped calibrated roles
     t0 = time.perf_counter()
     cells = [ta.evaluate(model, tok, plans, int(n), a.sparsity, a.windows, a.span) for n in a.contexts.split(",")]
     report = {"meta": benchlib.header(a), "cells": cells, "wall_s": time.perf_counter() - t0}
