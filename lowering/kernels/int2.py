@@ -204,6 +204,34 @@ def _unwritten_tile(o_row, start, L, sol, BLOCK_L: tl.constexpr):
 
 
 @triton.jit
+def _tile_keys(p_row, start, N, filled, spn, POOL: tl.constexpr, BLOCK_L: tl.constexpr):
+    if POOL:
+        keys, live = _pool_keys(p_row, start, N, filled, spn, BLOCK_L)
+    else:
+        keys, live = _cache_keys(start, filled, BLOCK_L)
+    return keys, live
+
+
+@triton.jit
+def _scan_step(
+    q_bd, qsum, qmag, magic, c_row, s_row, z_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled, width,
+    scl, scw, ssl, ssm, szl, szm, spn, sol,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr, POOL: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
+    VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
+):
+    """Score and store the tile at `start` (its slots, scales and zeros loaded already); returns the
+    next tile's, loaded ahead of its use."""
+    keys_next, live_next = _tile_keys(p_row, start + STEP, N, filled, spn, POOL, BLOCK_L)
+    sc_next, z_next = _int2_scales(s_row, z_row, keys_next, live_next, ssl, ssm, szl, szm, M, M_PAD)
+    score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
+                              G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
+    offs = start + tl.arange(0, BLOCK_L)
+    tl.store(o_row + offs.to(tl.int64) * sol, score, mask=offs < width)
+    return keys_next, live_next, sc_next, z_next
+
+
+@triton.jit
 def _int2_scan(
     q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr,
     Hkv, L, N, PROGS, magic,
@@ -255,39 +283,24 @@ def _int2_scan(
     stop = N if POOL else filled  # the scoring loop's end
     width = N if POOL else L  # the output row's
     rest = first + tl.cdiv(tl.maximum(stop - first, 0), STEP) * STEP
-    if POOL:
-        keys, live = _pool_keys(p_row, first, N, filled, spn, BLOCK_L)
-    else:
-        keys, live = _cache_keys(first, filled, BLOCK_L)
+    keys, live = _tile_keys(p_row, first, N, filled, spn, POOL, BLOCK_L)
     sc, z = _int2_scales(s_row, z_row, keys, live, ssl, ssm, szl, szm, M, M_PAD)  # a tile ahead
     if USE_FOR:
         for start in tl.range(first, stop, STEP):  # grid-stride
-            if POOL:
-                keys_next, live_next = _pool_keys(p_row, start + STEP, N, filled, spn, BLOCK_L)
-            else:
-                keys_next, live_next = _cache_keys(start + STEP, filled, BLOCK_L)
-            sc_next, z_next = _int2_scales(s_row, z_row, keys_next, live_next, ssl, ssm, szl, szm, M, M_PAD)
-            score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
-                                      G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
-            offs = start + tl.arange(0, BLOCK_L)
-            tl.store(o_row + offs.to(tl.int64) * sol, score, mask=offs < width)
-            keys, live, sc, z = keys_next, live_next, sc_next, z_next
+            keys, live, sc, z = _scan_step(
+                q_bd, qsum, qmag, magic, c_row, s_row, z_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
+                width, scl, scw, ssl, ssm, szl, szm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
+                OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
         if not POOL:
             for start in tl.range(rest, L, STEP):
                 _unwritten_tile(o_row, start, L, sol, BLOCK_L)
     else:
         start = first
         while start < stop:
-            if POOL:
-                keys_next, live_next = _pool_keys(p_row, start + STEP, N, filled, spn, BLOCK_L)
-            else:
-                keys_next, live_next = _cache_keys(start + STEP, filled, BLOCK_L)
-            sc_next, z_next = _int2_scales(s_row, z_row, keys_next, live_next, ssl, ssm, szl, szm, M, M_PAD)
-            score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
-                                      G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
-            offs = start + tl.arange(0, BLOCK_L)
-            tl.store(o_row + offs.to(tl.int64) * sol, score, mask=offs < width)
-            keys, live, sc, z = keys_next, live_next, sc_next, z_next
+            keys, live, sc, z = _scan_step(
+                q_bd, qsum, qmag, magic, c_row, s_row, z_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
+                width, scl, scw, ssl, ssm, szl, szm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
+                OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
             start += STEP
         if not POOL:
             start = rest
