@@ -57,6 +57,11 @@ class Layers:
         return [F.scaled_dot_product_attention(self.q[i], self.k[i], self.v[i], enable_gqa=True) for i in range(self.nl)]
 
 
+def int2_key_bytes(head_dim: int) -> int:
+    """Bytes of a key's INT2 copy: 2-bit codes, an fp16 scale and zero per 32 channels."""
+    return head_dim // 4 + 4 * (head_dim // 32)
+
+
 def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, head_dim: int,
                      refined_kept: float | None = None) -> float:
     """Bytes one sparse layer's decode step must read at the least (prism-g<G>: the average over its
@@ -72,7 +77,7 @@ def step_floor_bytes(plan: str, rows: int, filled: int, kept: int, pool: int, he
     if m is None:
         raise ValueError(f"step_floor_bytes: no bytes model for plan {plan!r} (hash, prism-g<G>[-hash][-int2refine])")
     group = int(m.group(1))
-    int2 = head_dim // 4 + 4 * (head_dim // 32)  # INT2 codes + fp16 scale and zero a key
+    int2 = int2_key_bytes(head_dim)
     scanned = 4 if m.group(2) else int2  # signatures, or INT2
     proposal = rows * filled * scanned + gathered
     rescored = int2 if m.group(3) else 2 * head_dim  # a pool key's INT2 copy, or its K row

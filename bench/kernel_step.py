@@ -73,7 +73,7 @@ if ARGS.smoke:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-from decode_layers import OPS, Layers, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
+from decode_layers import OPS, Layers, int2_key_bytes, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 
@@ -159,8 +159,8 @@ def kernel_bytes(B: int, L: int, filled: int, a) -> dict[str, float]:
         "_hash_keys_kernel": R * n * (4 + 1 + 1) + B * n,  # signatures, keys written; the mask row
         "_hist_kernel": R * n * 2,  # keys (1-2 bytes) read back
         "_select_kernel": R * n * 2 + R * K * 4,
-        "_int2_scores_kernel": R * n * (D // 4 + 4 * (D // 32) + 4),  # codes, fp16 scale/zero, fp32 score
-        "_int2_pool_scores_kernel": R * P * (4 + D // 4 + 4 * (D // 32) + 4),  # the pool's slots, their INT2, scores
+        "_int2_scores_kernel": R * n * (int2_key_bytes(D) + 4),  # codes, fp16 scale/zero, fp32 score
+        "_int2_pool_scores_kernel": R * P * (4 + int2_key_bytes(D) + 4),  # the pool's slots, their INT2, scores
         "_score_keys_kernel": R * n * (4 + 2) + B * n,
         "_mass_logits_kernel": R * P * (2 * D + 8 + 4 * HQ // HKV),  # pool K rows, positions, logits scratch
         # a proposal's inner list: the pool's positions twice, its keys gathered, written and read 3 times; the list

@@ -4,7 +4,6 @@ capture the decode step without recompiling, and results match the eager rewritt
 import copy
 import random
 import re
-import time
 
 import pytest
 import torch

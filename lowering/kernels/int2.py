@@ -413,10 +413,17 @@ def int2_scores(q, codes, scale, zero, pos=None, positions=None, *, block_l=INT2
     elif variant is None:
         variant = 3 if B * Hkv * N >= INT2_IN_PLACE_MIN_KEYS else 2
     tpos = pos[-1:] if pos is not None else codes
-    common = (Hkv, L) + ((N,) if positions is not None else ()) + (progs, 0x43004300 if half == torch.bfloat16 else 0x64006400,
-                                                                     q.stride(0), q.stride(1), q.stride(3),
-                                                                     *codes.stride(), *scale.stride(), *zero.stride())
-    consts = dict(
+    magic = 0x43004300 if half == torch.bfloat16 else 0x64006400
+    strides = (q.stride(0), q.stride(1), q.stride(3), *codes.stride(), *scale.stride(), *zero.stride())
+    if positions is None:
+        kernel = _int2_scores_kernel
+        args = (q, codes, scale, zero, tpos, out, Hkv, L, progs, magic, *strides, *out.stride())
+    else:
+        kernel = _int2_pool_scores_kernel
+        args = (q, codes, scale, zero, tpos, positions, out, Hkv, L, N, progs, magic, *strides, *positions.stride(),
+                *out.stride())
+    torch.library.wrap_triton(kernel)[(progs, B * Hkv)](
+        *args,
         G=G, G_PAD=G_PAD, D=D, M=M, M_PAD=max(M, 16 // min(G_PAD, 16)), BLOCK_L=block_l,
         HAS_POS=pos is not None,
         DOT_PRECISION="ieee" if op == torch.float32 else "tf32",
@@ -428,10 +435,4 @@ def int2_scores(q, codes, scale, zero, pos=None, positions=None, *, block_l=INT2
         PACKED=codes.stride()[2:] == (D // 16, 1) and scale.stride()[2:] == zero.stride()[2:] == (M, 1),
         num_warps=warps, num_stages=stages,
     )
-    if positions is None:
-        torch.library.wrap_triton(_int2_scores_kernel)[(progs, B * Hkv)](
-            q, codes, scale, zero, tpos, out, *common, *out.stride(), **consts)
-    else:
-        torch.library.wrap_triton(_int2_pool_scores_kernel)[(progs, B * Hkv)](
-            q, codes, scale, zero, tpos, positions, out, *common, *positions.stride(), *out.stride(), **consts)
     return out
