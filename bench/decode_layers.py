@@ -41,15 +41,14 @@ class Layers:
         for i in range(nl):
             sig = torch.zeros(B, hkv, L, 1, dtype=torch.int32, device=dev)
             codes = torch.zeros(B, hkv, L, d // 16, dtype=torch.int32, device=dev)
-            scale = torch.zeros(B, hkv, L, d // 32, dtype=torch.float16, device=dev)
-            zero = torch.zeros_like(scale)
+            params = torch.zeros(B, hkv, L, 2 * (d // 32), dtype=torch.float16, device=dev)
             for s in range(0, filled, WRITE_CHUNK):
                 e = min(filled, s + WRITE_CHUNK)
                 p = torch.arange(s, e, device=dev)
                 OPS.signature_write(sig, self.k[i][:, :, s:e] @ self.proj, p)
-                OPS.int2_write(codes, scale, zero, self.k[i][:, :, s:e], p)
+                OPS.int2_write(codes, params, self.k[i][:, :, s:e], p)
             self.sig.append(sig)
-            self.int2.append((codes, scale, zero))
+            self.int2.append((codes, params))
 
     def dense(self) -> list[torch.Tensor]:
         """Dense decode attention of every layer over its whole cache (SDPA, GQA, unmasked: the
@@ -58,7 +57,8 @@ class Layers:
 
 
 def int2_key_bytes(head_dim: int) -> int:
-    """Bytes of a key's INT2 copy: 2-bit codes, an fp16 scale and zero per 32 channels."""
+    """Bytes of a key's INT2 copy: 2-bit codes, an fp16 scale and zero per 32 channels (a 16-byte
+    record at D = 128: one 32-byte sector of codes and one of params when gathered)."""
     return head_dim // 4 + 4 * (head_dim // 32)
 
 

@@ -108,8 +108,7 @@ class Steps:
             ranked, own = OPS.hash_select_nested(q_logits, st.sig[0], st.pos, self.pool, a.budget, a.sink, a.local,
                                                  st.mask, None)
         else:
-            codes, scale, zero = st.int2[0]
-            scores = OPS.int2_scores(st.q[0], codes, scale, zero, st.pos)
+            scores = OPS.int2_scores(st.q[0], *st.int2[0], st.pos)
             ranked, own = OPS.select_nested(scores, st.pos, self.pool, a.budget, a.sink, a.local, st.mask, None)
         pool = ranked[:, :, self.win:]
         idx = [own]

@@ -130,43 +130,54 @@ def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor
         ref.signature_write(cache, logits, pos)
 
 
-@triton_op("sparse_fx::int2_write", mutates_args={"codes", "scale", "zero"})
-def int2_write(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
-    """Quantise k [B,H,T,D] to INT2 and write codes/scale/zero at positions pos [T]."""
-    _check(k.shape[-1] % scale.shape[-1] == 0 and codes.shape[-1] * ref.INT2_CODES_PER_WORD == k.shape[-1], "int2_write: cache widths do not match the head dim")
-    if codes.is_cuda and _kernels().int2_write_supported(codes, scale, zero, k, pos):
-        _kernels().int2_write(codes, scale, zero, k, pos)
+def _check_int2(codes: torch.Tensor, params: torch.Tensor, D: int, what: str) -> None:
+    _check(codes.dim() == params.dim() == 4 and codes.shape[:3] == params.shape[:3],
+           f"{what}: codes [B, H, L, D/16] and params [B, H, L, 2M] must share B, H, L, got "
+           f"{tuple(codes.shape)}, {tuple(params.shape)}")
+    M2 = params.shape[-1]
+    _check(M2 > 0 and M2 % 2 == 0 and D % (M2 // 2) == 0 and codes.shape[-1] * ref.INT2_CODES_PER_WORD == D,
+           f"{what}: cache widths do not match the head dim {D} (codes {codes.shape[-1]} words of 16 channels, "
+           f"params {M2} = 2 x groups)")
+
+
+@triton_op("sparse_fx::int2_write", mutates_args={"codes", "params"})
+def int2_write(codes: torch.Tensor, params: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
+    """Quantise k [B,H,T,D] to INT2 and write codes and params (scales, zeros) at positions pos [T]."""
+    _check_int2(codes, params, k.shape[-1], "int2_write")
+    if codes.is_cuda and _kernels().int2_write_supported(codes, params, k, pos):
+        _kernels().int2_write(codes, params, k, pos)
     else:
-        int2_write_reference(codes, scale, zero, k, pos)
+        int2_write_reference(codes, params, k, pos)
 
 
-@torch.library.custom_op("sparse_fx::int2_write_reference", mutates_args={"codes", "scale", "zero"})
-def int2_write_reference(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
+@torch.library.custom_op("sparse_fx::int2_write_reference", mutates_args={"codes", "params"})
+def int2_write_reference(codes: torch.Tensor, params: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
     """reference.int2_write as an opaque call: traced into a compiled graph, its division and
     rounding would be re-expressed by the compiler (reciprocal multiplies, fused ops) and the codes
     would differ from the reference's in the last bit; here they cannot."""
-    ref.int2_write(codes, scale, zero, k, pos)
+    ref.int2_write(codes, params, k, pos)
 
 
 @int2_write_reference.register_fake
-def _(codes, scale, zero, k, pos) -> None:
+def _(codes, params, k, pos) -> None:
     return None
 
 
 @triton_op("sparse_fx::int2_scores", mutates_args=())
 def int2_scores(
-    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: Optional[torch.Tensor] = None,
+    q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, pos: Optional[torch.Tensor] = None,
     positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Prism INT2 scores float32: max over the group of <q, INT2 key>, [B,Hkv,L] for every slot or
     [B,Hkv,N] at the slots `positions` [B,Hkv,N] (-1 empty: -inf); with `pos`, -inf after pos[-1]."""
     _check(q.dim() == 4 and q.shape[2] == 1 and q.shape[1] % codes.shape[1] == 0, "int2_scores: q must be [B, Hq, 1, D] with Hq a multiple of Hkv")
+    _check_int2(codes, params, q.shape[-1], "int2_scores")
     _check(positions is None or (positions.dim() == 3 and positions.shape[:2] == codes.shape[:2] and not positions.is_floating_point()),
            f"int2_scores: positions must be integer [B, Hkv, N] = [{codes.shape[0]}, {codes.shape[1]}, N], "
            f"got {None if positions is None else (tuple(positions.shape), positions.dtype)}")
-    if q.is_cuda and _kernels().int2_scores_supported(q, codes, scale, zero, pos, positions):
-        return _kernels().int2_scores(q, codes, scale, zero, pos, positions)
-    return ref.int2_scores(q, codes, scale, zero, pos, positions)
+    if q.is_cuda and _kernels().int2_scores_supported(q, codes, params, pos, positions):
+        return _kernels().int2_scores(q, codes, params, pos, positions)
+    return ref.int2_scores(q, codes, params, pos, positions)
 
 
 @triton_op("sparse_fx::mass_scores", mutates_args=())

@@ -136,13 +136,14 @@ def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor
 # -------------------------------------------------------------------------------------- INT2
 def int2_quantize(
     k: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.float16
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-wise asymmetric 2-bit quantisation along the head dim (Prism).
 
-    k [..., D] -> codes [..., D/16] int32 (channel c at bits 2(c%16) of word c//16),
-    scale and zero [..., D/group] in `scale_dtype`: k ~ zero + scale * code, code in 0..3. The
-    codes are computed from the stored (rounded) scale and zero, so the round-trip error is at
-    most half a step of the stored scale.
+    k [..., D] -> codes [..., D/16] int32 (channel c at bits 2(c%16) of word c//16) and params
+    [..., 2 D/group] in `scale_dtype`: the M = D/group scales, then the M zeros (k ~ zero + scale *
+    code, code in 0..3), side by side so that a key's record is one memory sector. The codes are
+    computed from the stored (rounded) scale and zero, so the round-trip error is at most half a
+    step of the stored scale.
     """
     *lead, D = k.shape
     kg = k.float().reshape(*lead, D // group, group)
@@ -155,7 +156,12 @@ def int2_quantize(
     shifts = 2 * torch.arange(INT2_CODES_PER_WORD, dtype=torch.int64, device=k.device)
     words = (codes << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words, scale, zero
+    return words, torch.cat([scale, zero], -1)
+
+
+def int2_split(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A key's INT2 params [..., 2M] -> (scale, zero), each [..., M]."""
+    return params.chunk(2, -1)
 
 
 def int2_unpack(codes: torch.Tensor) -> torch.Tensor:
@@ -165,36 +171,29 @@ def int2_unpack(codes: torch.Tensor) -> torch.Tensor:
     return c.reshape(*codes.shape[:-1], codes.shape[-1] * INT2_CODES_PER_WORD)
 
 
-def int2_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def int2_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Inverse of `int2_quantize`, in float32: [..., D]."""
     c = int2_unpack(codes).float()
+    scale, zero = int2_split(params)
     D, M = c.shape[-1], scale.shape[-1]
     k = zero.float()[..., None] + scale.float()[..., None] * c.reshape(*c.shape[:-1], M, D // M)
     return k.reshape(*c.shape)
 
 
-def int2_write(
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    k: torch.Tensor,
-    pos: torch.Tensor,
-) -> None:
+def int2_write(codes: torch.Tensor, params: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> None:
     """Quantise the new keys k [B,H,T,D] and write them at `pos` [T] (see `signature_write`)."""
-    group = k.shape[-1] // scale.shape[-1]
-    c, s, z = int2_quantize(k, group, scale.dtype)
+    c, prm = int2_quantize(k, 2 * k.shape[-1] // params.shape[-1], params.dtype)
     codes.index_copy_(2, pos, c)
-    scale.index_copy_(2, pos, s)
-    zero.index_copy_(2, pos, z)
+    params.index_copy_(2, pos, prm)
 
 
 def int2_scores(
-    q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, pos: torch.Tensor | None = None,
+    q: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, pos: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prism INT2 score: max over a KV head's query heads of <q, dequantised k>.
 
-    q [B,Hq,1,D], codes [B,Hkv,L,D/16], scale/zero [B,Hkv,L,D/g] -> [B,Hkv,L] float32 (a proposal
+    q [B,Hq,1,D], codes [B,Hkv,L,D/16], params [B,Hkv,L,2D/g] -> [B,Hkv,L] float32 (a proposal
     layer scores every slot). With `positions` [B,Hkv,N] (a pool of slots, -1 empty) -> [B,Hkv,N],
     the scores of those slots, -inf for empty entries (a refined layer ranking its pool by its own
     INT2 keys). With `pos` (the positions written this step), slots after pos[-1] hold no key yet:
@@ -202,7 +201,7 @@ def int2_scores(
     """
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
-    kd = int2_dequantize(codes, scale, zero)  # [B,Hkv,L,D]
+    kd = int2_dequantize(codes, params)  # [B,Hkv,L,D]
     qg = q.reshape(B, Hkv, Hq // Hkv, D).float()
     out = torch.matmul(qg, kd.transpose(-1, -2)).amax(2)
     if pos is not None:

@@ -96,13 +96,13 @@ def test_mass_objective_scores_as_the_decode_ops_do():
     plan = sparse_fx.Plan.parse("prism-g2", budget=4, sink=3, local=4, int2_group=8)
     allowed = decode_candidates(T, S, plan, "cpu")
     mass, score = attention_mass(q, k, allowed), int2_score(q, k, 8)
-    codes, scale, zero = ref.int2_quantize(k[None], 8)
+    codes, params = ref.int2_quantize(k[None], 8)
     for s in range(S):
         now = T - S + s
         mask = (torch.arange(T) <= now)[None, None, None]
         want = ref.mass_scores(q[s][None, :, None], k[None], None, mask)[0]
         torch.testing.assert_close(mass[s], want * allowed[s], rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(score[s], ref.int2_scores(q[s][None, :, None], codes, scale, zero)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(score[s], ref.int2_scores(q[s][None, :, None], codes, params)[0], rtol=1e-5, atol=1e-5)
         assert allowed[s, 0].sum() == now - plan.local + 1 - plan.sink
 
 

@@ -43,9 +43,8 @@ def assert_side_caches_match_the_keys(model, cache, n):
             expect = ref.pack_signs(apply_head_mlp(keys[:, :, :n], *enc.key.params()))
             assert torch.equal(side["signatures"][:, :, :n], expect), f"layer {layer} signatures"
         if "codes" in side:
-            c, s, z = ref.int2_quantize(keys[:, :, :n], state.plan.int2_group)
-            assert torch.equal(side["codes"][:, :, :n], c) and torch.equal(side["scale"][:, :, :n], s), f"layer {layer} INT2"
-            assert torch.equal(side["zero"][:, :, :n], z)
+            c, prm = ref.int2_quantize(keys[:, :, :n], state.plan.int2_group)
+            assert torch.equal(side["codes"][:, :, :n], c) and torch.equal(side["params"][:, :, :n], prm), f"layer {layer} INT2"
 
 
 @pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "prism-g2-hash-int2refine", "static-g2", "oracle"])

@@ -42,13 +42,13 @@ def test_side_caches_by_role():
     p = Plan.parse("prism-g4", int2_group=16)
     spec = methods.get("prism").side_cache("proposal", kv, p)
     assert {k: (s.tail, s.dtype) for k, s in spec.items()} == {
-        "codes": ((4,), torch.int32), "scale": ((4,), torch.float16), "zero": ((4,), torch.float16)}
+        "codes": ((4,), torch.int32), "params": ((8,), torch.float16)}
     assert methods.get("prism").side_cache("refined", kv, p) == {}
     # refined layers ranking the pool by INT2 keep INT2 copies; a search layer may do both
     int2refine = Plan.parse("prism-g4-hash-int2refine", int2_group=16)
-    assert set(methods.get("prism").side_cache("refined", kv, int2refine)) == {"codes", "scale", "zero"}
+    assert set(methods.get("prism").side_cache("refined", kv, int2refine)) == {"codes", "params"}
     assert set(methods.get("prism").side_cache("proposal", kv, int2refine)) == {"signatures"}
-    assert set(methods.get("prism").side_cache("search", kv, int2refine)) == {"signatures", "codes", "scale", "zero"}
+    assert set(methods.get("prism").side_cache("search", kv, int2refine)) == {"signatures", "codes", "params"}
     assert methods.get("static").side_cache("refined", kv, Plan.parse("static-g4")) == {}
     assert set(methods.get("hash").side_cache("sparse", kv, Plan.parse("hash-b64"))["signatures"].tail) == {2}
     assert methods.get("oracle").side_cache("sparse", kv, Plan.parse("oracle")) == {}

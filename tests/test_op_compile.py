@@ -19,7 +19,7 @@ from sparse_fx.lowering import reference as ref
 
 NVIDIA_TOOLS = (pathlib.Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists()
 needs_tools = pytest.mark.skipif(not NVIDIA_TOOLS, reason="triton without the NVIDIA backend tools")
-WRITABLE = {"out_ptr", "inner_ptr", "keys_ptr", "cum_ptr", "ckey_ptr", "tot_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr", "scale_ptr", "zero_ptr"}
+WRITABLE = {"out_ptr", "inner_ptr", "keys_ptr", "cum_ptr", "ckey_ptr", "tot_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr", "params_ptr"}
 
 
 def _compile_check(*flags: str) -> str:
@@ -98,16 +98,16 @@ def test_exact_ops_under_inductor_equal_the_reference_bit_for_bit():
     mask = torch.rand(B, 1, 1, L, generator=g) > 0.2
     o = torch.ops.sparse_fx
 
-    def step(codes, scale, zero, sig):
-        o.int2_write(codes, scale, zero, k, pos)
+    def step(codes, params, sig):
+        o.int2_write(codes, params, k, pos)
         o.signature_write(sig, logits, pos)
         chosen = o.select_topk(scores, pos, 12, 2, 3, mask, None, None)
         hashed = o.hash_select(q_logits, sig, pos, 12, 2, 3, mask, None)
         return chosen, hashed, *o.select_nested(scores, pos, 12, 5, 2, 3, mask, None)
 
     def buffers():
-        return (torch.zeros(B, H, L, D // 16, dtype=torch.int32), torch.zeros(B, H, L, 2, dtype=torch.float16),
-                torch.zeros(B, H, L, 2, dtype=torch.float16), torch.zeros(B, H, L, 1, dtype=torch.int32))
+        return (torch.zeros(B, H, L, D // 16, dtype=torch.int32), torch.zeros(B, H, L, 4, dtype=torch.float16),
+                torch.zeros(B, H, L, 1, dtype=torch.int32))
 
     eager_bufs, compiled_bufs = buffers(), buffers()
     torch._dynamo.reset()
@@ -117,8 +117,8 @@ def test_exact_ops_under_inductor_equal_the_reference_bit_for_bit():
         assert torch.equal(a, b)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
-    c, s, z = ref.int2_quantize(k, 32)
-    assert torch.equal(compiled_bufs[0][:, :, pos], c) and torch.equal(compiled_bufs[1][:, :, pos], s)
+    c, prm = ref.int2_quantize(k, 32)
+    assert torch.equal(compiled_bufs[0][:, :, pos], c) and torch.equal(compiled_bufs[1][:, :, pos], prm)
 
 
 # ------------------------------------------------------------------ registration (schema, fake tensors, AOT)
@@ -130,7 +130,7 @@ def _opcheck_cases():
     q, k, v = torch.randn(1, 4, 1, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g)
     mask = torch.rand(1, 1, 1, 20, generator=g) > 0.2
     idx = torch.tensor([[[0, 5, -1, 7], [1, 2, 3, 19]]], dtype=torch.int32)
-    codes, scale, zero = ref.int2_quantize(k, 16)
+    codes, params = ref.int2_quantize(k, 16)
     sig = OPS.pack_signs(torch.randn(1, 2, 20, 32, generator=g))
     pos = torch.tensor([19])
     return [
@@ -138,9 +138,9 @@ def _opcheck_cases():
         (OPS.pack_signs.default, (torch.randn(3, 64, generator=g),)),
         (OPS.hamming_scores.default, (OPS.pack_signs(torch.randn(1, 4, 32, generator=g)), sig)),
         (OPS.signature_write.default, (sig.clone(), torch.randn(1, 2, 1, 32, generator=g), pos)),
-        (OPS.int2_write.default, (codes.clone(), scale.clone(), zero.clone(), torch.randn(1, 2, 1, 32, generator=g), pos)),
-        (OPS.int2_scores.default, (q, codes, scale, zero, pos)),
-        (OPS.int2_scores.default, (q, codes, scale, zero, pos, idx)),
+        (OPS.int2_write.default, (codes.clone(), params.clone(), torch.randn(1, 2, 1, 32, generator=g), pos)),
+        (OPS.int2_scores.default, (q, codes, params, pos)),
+        (OPS.int2_scores.default, (q, codes, params, pos, idx)),
         (OPS.mass_scores.default, (q, k, 0.3, mask, idx.long())),
         (OPS.select_topk.default, (torch.randn(1, 2, 20, generator=g), pos, 4, 2, 3, mask, None, torch.tensor([1]))),
         (OPS.hash_select.default, (torch.randn(1, 4, 32, generator=g), sig, pos, 4, 2, 3, mask, None)),

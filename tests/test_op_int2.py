@@ -33,13 +33,12 @@ def test_int2_write_bit_exact(dtype, D, group):
     k = _keys(B, H, T, D, group, dtype, g)
     pos = torch.arange(7, 7 + T, device=DEV)
     codes = torch.randint(-(2**31), 2**31 - 1, (B, H, L, D // 16), generator=g, dtype=torch.int32).to(DEV)
-    scale = torch.randn(B, H, L, D // group, generator=g).half().to(DEV)
-    zero = torch.randn(B, H, L, D // group, generator=g).half().to(DEV)
-    want = [t.cpu().clone() for t in (codes, scale, zero)]
+    params = torch.randn(B, H, L, 2 * (D // group), generator=g).half().to(DEV)
+    want = [t.cpu().clone() for t in (codes, params)]
     ref.int2_write(*want, k.cpu(), pos.cpu())
     with poisoned():
-        K.int2_write(codes, scale, zero, k, pos)
-    for got, w in zip((codes, scale, zero), want):
+        K.int2_write(codes, params, k, pos)
+    for got, w in zip((codes, params), want):
         assert torch.equal(got.cpu(), w)
 
 
@@ -53,8 +52,7 @@ def test_int2_write_bit_exact_any_magnitude(T, scale_exp, seed, dtype):
     k = (torch.randn(1, 2, T, D, generator=g) * 2.0**scale_exp).to(dtype).to(DEV)
     pos = torch.randperm(L, generator=g)[:T].to(DEV)
     bufs = [torch.zeros(1, 2, L, D // 16, dtype=torch.int32, device=DEV),
-            torch.zeros(1, 2, L, D // group, dtype=torch.float16, device=DEV),
-            torch.zeros(1, 2, L, D // group, dtype=torch.float16, device=DEV)]
+            torch.zeros(1, 2, L, 2 * (D // group), dtype=torch.float16, device=DEV)]
     want = [t.cpu().clone() for t in bufs]
     ref.int2_write(*want, k.cpu(), pos.cpu())
     K.int2_write(*bufs, k, pos)
@@ -65,9 +63,9 @@ def test_int2_write_bit_exact_any_magnitude(T, scale_exp, seed, dtype):
 def test_int2_round_trip_error_is_at_most_half_a_step():
     g = gen(4)
     k = torch.randn(2, 3, 50, 64, generator=g, dtype=torch.float64) * 5
-    codes, scale, zero = ref.int2_quantize(k, 16)
-    back = ref.int2_dequantize(codes, scale, zero).double()
-    step = scale.double().repeat_interleave(16, -1)
+    codes, params = ref.int2_quantize(k, 16)
+    back = ref.int2_dequantize(codes, params).double()
+    step = ref.int2_split(params)[0].double().repeat_interleave(16, -1)
     assert ((back - k).abs() <= 0.5 * step + 1e-3 * step + 1e-6).all()
 
 
@@ -78,12 +76,12 @@ def test_int2_scores_matches_reference(variant, dtype, G, D, group):
     g = gen(G * D + group + variant)
     B, Hkv, L = 2, 2, 150
     k = randn(B, Hkv, L, D, g=g) * 2
-    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(k.cpu(), group))
+    codes, params = (t.to(DEV) for t in ref.int2_quantize(k.cpu(), group))
     q = randn(B, Hkv * G, 1, D, g=g, dtype=dtype)
     pos = torch.tensor([100], device=DEV)
     with poisoned():
-        got = K.int2_scores(q, codes, scale, zero, pos, variant=variant).cpu()
-    want = ref.int2_scores(q.cpu(), codes.cpu(), scale.cpu(), zero.cpu(), pos.cpu())
+        got = K.int2_scores(q, codes, params, pos, variant=variant).cpu()
+    want = ref.int2_scores(q.cpu(), codes.cpu(), params.cpu(), pos.cpu())
     assert got.dtype == torch.float32 and got.shape == (B, Hkv, L)
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got[..., 101:]).all()
     fin = torch.isfinite(want)
@@ -100,31 +98,31 @@ def test_int2_scan_variant_follows_the_cache_size(monkeypatch):
 
     g = gen(31)
     B, Hkv, G, L, D = 1, 2, 4, 96, 64
-    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu() * 3, 32))
+    codes, params = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu() * 3, 32))
     q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.float16)
-    v2, v3 = (K.int2_scores(q, codes, scale, zero, None, variant=v) for v in (2, 3))
+    v2, v3 = (K.int2_scores(q, codes, params, None, variant=v) for v in (2, 3))
     assert not torch.equal(v2, v3)  # else this test could not tell them apart
     for threshold, want in ((B * Hkv * L, v3), (B * Hkv * L + 1, v2)):
         monkeypatch.setattr(int2, "INT2_IN_PLACE_MIN_KEYS", threshold)
-        assert torch.equal(K.int2_scores(q, codes, scale, zero, None), want), threshold
+        assert torch.equal(K.int2_scores(q, codes, params, None), want), threshold
 
 
 @pytest.mark.parametrize("pos", [None, 0, 37])
 def test_int2_scores_on_strided_buffers(pos):
-    """Codes, scales and zeros inside wider rows (a cache with room to spare): the kernel's packed
+    """Codes inside wider rows and params column-major (a cache with room to spare): the kernel's packed
     fast path must not assume contiguous rows; unwritten slots score -inf."""
     g = gen(11)
     B, Hkv, G, L, D, group = 2, 3, 4, 70, 64, 16
     k = randn(B, Hkv, L, D, g=g)
-    codes, scale, zero = ref.int2_quantize(k.cpu(), group)
+    codes, params = ref.int2_quantize(k.cpu(), group)
     wide = lambda t: torch.cat([t, torch.zeros_like(t[..., :1])], -1).to(DEV)[..., :-1]  # noqa: E731
-    codes, scale, zero = wide(codes), wide(scale), wide(zero).transpose(-1, -2).contiguous().transpose(-1, -2)
-    assert codes.stride(-2) != codes.shape[-1] and scale.stride(-2) != scale.shape[-1] and zero.stride(-1) != 1
+    codes, params = wide(codes), params.to(DEV).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert codes.stride(-2) != codes.shape[-1] and params.stride(-1) != 1
     q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
     p = None if pos is None else torch.tensor([pos], device=DEV)
     with poisoned():
-        got = K.int2_scores(q, codes, scale, zero, p).cpu()
-    want = ref.int2_scores(q.cpu(), codes.cpu(), scale.cpu(), zero.cpu(), None if p is None else p.cpu())
+        got = K.int2_scores(q, codes, params, p).cpu()
+    want = ref.int2_scores(q.cpu(), codes.cpu(), params.cpu(), None if p is None else p.cpu())
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], atol=5e-5 * want[fin].abs().max().item() * 2, rtol=1e-5)
@@ -152,14 +150,14 @@ def test_int2_pool_scores_match_reference(G, D, N, variant, dtype, seed):
     g = gen(seed)
     B, Hkv, L = 2, 2, 400
     filled = max(N, int(torch.randint(1, L + 1, (1,), generator=g)))
-    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu() * 2, 16))
+    codes, params = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu() * 2, 16))
     q = randn(B, Hkv * G, 1, D, g=g, dtype=dtype)
     pos = torch.tensor([filled - 1], device=DEV)
     pool = _pool(B, Hkv, N, L, filled, g)
     assert not pool.is_contiguous()
     with poisoned():
-        got = K.int2_scores(q, codes, scale, zero, pos, pool, variant=variant).cpu()
-    want = ref.int2_scores(q.cpu(), codes.cpu(), scale.cpu(), zero.cpu(), pos.cpu(), pool.cpu())
+        got = K.int2_scores(q, codes, params, pos, pool, variant=variant).cpu()
+    want = ref.int2_scores(q.cpu(), codes.cpu(), params.cpu(), pos.cpu(), pool.cpu())
     assert got.shape == (B, Hkv, N) and torch.equal(torch.isinf(got), pool.cpu() < 0)
     fin = torch.isfinite(want)
     if fin.any():
@@ -172,11 +170,11 @@ def test_int2_pool_scores_of_unwritten_slots_are_minus_inf():
     user's call) score -inf, as the full scan scores those slots, and their codes are not read."""
     g = gen(8)
     B, Hkv, G, L, D = 1, 2, 2, 64, 32
-    codes, scale, zero = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu(), 16))
+    codes, params = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu(), 16))
     codes[:, :, 40:] = 0x55555555  # garbage past the written slots
     q = randn(B, Hkv * G, 1, D, g=g)
     pool = torch.tensor([[[3, 39, 40, 63, -1]] * Hkv], dtype=torch.int32, device=DEV)
-    got = K.int2_scores(q, codes, scale, zero, torch.tensor([39], device=DEV), pool).cpu()
+    got = K.int2_scores(q, codes, params, torch.tensor([39], device=DEV), pool).cpu()
     assert torch.isfinite(got[..., :2]).all() and torch.isinf(got[..., 2:]).all()
 
 
@@ -187,10 +185,10 @@ def test_int2_scores_real_shapes(variant):
     g = gen(5)
     B, Hkv, G, L, D = 2, 8, 4, 65536, 128
     k = randn(B, Hkv, L, D, g=g, dtype=torch.bfloat16)
-    codes, scale, zero = ref.int2_quantize(k, 32)
+    codes, params = ref.int2_quantize(k, 32)
     q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
-    got = K.int2_scores(q, codes, scale, zero, None, variant=variant)
-    want = ref.int2_scores(q, codes, scale, zero)
+    got = K.int2_scores(q, codes, params, None, variant=variant)
+    want = ref.int2_scores(q, codes, params)
     assert (got - want).norm() / want.norm() < 1e-4
 
 
@@ -201,12 +199,12 @@ def test_int2_pool_scores_real_shapes():
     g = gen(6)
     B, Hkv, G, L, D, N = 2, 8, 4, 131072, 128, 16384
     k = randn(B, Hkv, L, D, g=g, dtype=torch.bfloat16)
-    codes, scale, zero = ref.int2_quantize(k, 32)
+    codes, params = ref.int2_quantize(k, 32)
     q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16)
     pool = torch.rand(B, Hkv, L, device=DEV).topk(N, -1).indices.sort(-1).values.int()
     pool[0, 0, -100:] = -1
     pos = torch.tensor([L - 1], device=DEV)
-    got = K.int2_scores(q, codes, scale, zero, pos, pool)
-    want = ref.int2_scores(q, codes, scale, zero, pos, pool)
+    got = K.int2_scores(q, codes, params, pos, pool)
+    want = ref.int2_scores(q, codes, params, pos, pool)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got)) and (got[fin] - want[fin]).norm() / want[fin].norm() < 1e-4

@@ -112,13 +112,13 @@ def _scenarios():
     yield "hamming_scores", lambda: K.hamming_scores(torch.zeros(B, Hkv * G, 1, dtype=torch.int32),
                                                    torch.zeros(B, Hkv, L, 1, dtype=torch.int32))
     codes = torch.zeros(B, Hkv, L, D // 16, dtype=torch.int32)
-    sc = torch.zeros(B, Hkv, L, D // 32, dtype=torch.float16)
-    yield "int2_write", lambda: K.int2_write(codes, sc, sc.clone(), torch.zeros(B, Hkv, 1, D, dtype=bf), pos)
-    yield "int2_scores v2", lambda: K.int2_scores(q, codes, sc, sc, pos, variant=2)
-    yield "int2_scores v3", lambda: K.int2_scores(q, codes, sc, sc, pos, variant=3)
-    yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, sc, sc)
+    prm = torch.zeros(B, Hkv, L, 2 * (D // 32), dtype=torch.float16)
+    yield "int2_write", lambda: K.int2_write(codes, prm, torch.zeros(B, Hkv, 1, D, dtype=bf), pos)
+    yield "int2_scores v2", lambda: K.int2_scores(q, codes, prm, pos, variant=2)
+    yield "int2_scores v3", lambda: K.int2_scores(q, codes, prm, pos, variant=3)
+    yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, prm)
     ranked = torch.zeros(B, Hkv, 256 + 16384, dtype=torch.int32)  # a refined layer's pool: a view of the proposal's list
-    yield "int2_scores pool", lambda: K.int2_scores(q, codes, sc, sc, pos, ranked[..., 256:])
+    yield "int2_scores pool", lambda: K.int2_scores(q, codes, prm, pos, ranked[..., 256:])
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)
@@ -167,11 +167,10 @@ def _scenarios():
     q3 = torch.zeros(1, 9, 1, 64, dtype=bf)
     k3 = torch.zeros(1, 3, 8192, 64, dtype=bf)
     c3 = torch.zeros(1, 3, 8192, 4, dtype=torch.int32)
-    s3 = torch.zeros(1, 3, 8192, 2, dtype=torch.float16)
-    yield "int2 d64 g3", lambda: (K.int2_write(c3, s3, s3.clone(), k3[:, :, :1], pos), K.int2_scores(q3, c3, s3, s3))
+    p3 = torch.zeros(1, 3, 8192, 4, dtype=torch.float16)
+    yield "int2 d64 g3", lambda: (K.int2_write(c3, p3, k3[:, :, :1], pos), K.int2_scores(q3, c3, p3))
     yield "int2 d256 g8 fp16", lambda: K.int2_scores(q16, torch.zeros(1, 2, 1024, 16, dtype=torch.int32),
-                                                   torch.zeros(1, 2, 1024, 8, dtype=torch.float16),
-                                                   torch.zeros(1, 2, 1024, 8, dtype=torch.float16))
+                                                   torch.zeros(1, 2, 1024, 16, dtype=torch.float16))
     yield "attention d64 g3 float mask", lambda: K.sparse_decode_attention(q3, k3, k3, idx[:, :3], None, mask_f)
     yield "hamming g3 w2", lambda: K.hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
 

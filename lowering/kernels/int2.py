@@ -1,9 +1,11 @@
 """Prism INT2 keys: quantise-and-pack at cache-write time, and the proposal score scan.
 
 Codes: channel c of a key sits at bits 2(c % 16) of word c // 16; per group of g channels an fp16
-scale and zero (k ~ zero + scale * code). The write reproduces reference.int2_quantize bit for bit:
-scale = (max - min) / 3 with IEEE division (`div_rn`; Triton's `/` is approximate on NVIDIA), both
-rounded to the stored dtype, and codes from the *rounded* scale/zero, rounded half to even.
+scale and zero (k ~ zero + scale * code), a key's M scales then M zeros side by side in `params`
+(one 16-byte record at D = 128, g = 32: a gathered key reads two sectors, not three). The write
+reproduces reference.int2_quantize bit for bit: scale = (max - min) / 3 with IEEE division
+(`div_rn`; Triton's `/` is approximate on NVIDIA), both rounded to the stored dtype, and codes from
+the *rounded* scale/zero, rounded half to even.
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ INT2_IN_PLACE_MIN_KEYS = 1 << 22
 # ---------------------------------------------------------------------------------- write
 @triton.jit
 def _int2_write_kernel(
-    k_ptr, codes_ptr, scale_ptr, zero_ptr, pos_ptr,
+    k_ptr, codes_ptr, params_ptr, pos_ptr,
     H, T,
     skb, skh, skt, skd,
     scb, sch, scl, scw,
-    ssb, ssh, ssl, ssm,
-    szb, szh, szl, szm,
+    srb, srh, srl, srm,
     spt,
     D: tl.constexpr,  # head dim (power of two): one program holds whole keys
     M: tl.constexpr,  # groups per key; D // M channels share a scale and zero
@@ -53,14 +54,15 @@ def _int2_write_kernel(
     xg = tl.reshape(x.to(tl.float32), (BLOCK_T, M, GS))
     lo = tl.min(xg, axis=2)
     hi = tl.max(xg, axis=2)
-    s_st = tl.math.div_rn(hi - lo, 3.0).to(scale_ptr.dtype.element_ty)
-    z_st = lo.to(zero_ptr.dtype.element_ty)
+    s_st = tl.math.div_rn(hi - lo, 3.0).to(params_ptr.dtype.element_ty)
+    z_st = lo.to(params_ptr.dtype.element_ty)
     s = s_st.to(tl.float32)
     z = z_st.to(tl.float32)
     slot = tl.load(pos_ptr + t * spt, mask=live, other=0).to(tl.int64)
     m = tl.arange(0, M)
-    tl.store(scale_ptr + b * ssb + h * ssh + slot[:, None] * ssl + m[None, :] * ssm, s_st, mask=live[:, None])
-    tl.store(zero_ptr + b * szb + h * szh + slot[:, None] * szl + m[None, :] * szm, z_st, mask=live[:, None])
+    rec = params_ptr + b * srb + h * srh + slot[:, None] * srl
+    tl.store(rec + m[None, :] * srm, s_st, mask=live[:, None])
+    tl.store(rec + (M + m)[None, :] * srm, z_st, mask=live[:, None])
     pos_scale = s > 0
     u = tl.math.div_rn(xg - z[:, :, None], tl.where(pos_scale, s, 1.0)[:, :, None])
     # round half to even, as torch.round; clamping to [0, 4] first changes no code in 0..3 and makes
@@ -79,51 +81,50 @@ def _int2_write_kernel(
     tl.store(codes_ptr + b * scb + h * sch + slot[:, None] * scl + w[None, :] * scw, words, mask=live[:, None])
 
 
-def int2_write_supported(codes, scale, zero, k, pos) -> bool:
-    if not on_kernel_device(codes, scale, zero, k, pos):
+def int2_write_supported(codes, params, k, pos) -> bool:
+    if not on_kernel_device(codes, params, k, pos):
         return False
-    if k.dim() != 4 or codes.dim() != 4 or scale.dim() != 4 or zero.dim() != 4 or pos.dim() != 1:
+    if k.dim() != 4 or codes.dim() != 4 or params.dim() != 4 or pos.dim() != 1:
         return False
     D = k.shape[-1]
-    M = scale.shape[-1]
+    M = params.shape[-1] // 2
     return (
         k.dtype in FLOAT_DTYPES
         and codes.dtype == torch.int32
-        and scale.dtype in FLOAT_DTYPES
-        and zero.dtype == scale.dtype
-        and not pos.is_floating_point()
+        and params.dtype in FLOAT_DTYPES
         and is_pow2(D) and 16 <= D <= 512
-        and M > 0 and D % M == 0 and is_pow2(M)
+        and params.shape[-1] == 2 * M and M > 0 and D % M == 0 and is_pow2(M)
         and codes.shape[-1] * INT2_CODES_PER_WORD == D
-        and zero.shape[-1] == M
         and pos.shape[0] == k.shape[2]
-        and k.shape[:2] == codes.shape[:2] == scale.shape[:2] == zero.shape[:2]
+        and k.shape[:2] == codes.shape[:2] == params.shape[:2]
     )
 
 
-def int2_write(codes, scale, zero, k, pos) -> None:
-    """Quantise k [B,H,T,D] and write codes/scale/zero at positions pos [T] (reference.int2_write)."""
+def int2_write(codes, params, k, pos) -> None:
+    """Quantise k [B,H,T,D] and write codes and params at positions pos [T] (reference.int2_write)."""
     B, H, T, D = k.shape
-    M = scale.shape[-1]
+    M = params.shape[-1] // 2
     if B * H * T > 0:
         BLOCK_T = min(pow2(T), max(1, 2048 // D))
         grid = (triton.cdiv(T, BLOCK_T), B * H)
         torch.library.wrap_triton(_int2_write_kernel)[grid](
-            k, codes, scale, zero, pos,
+            k, codes, params, pos,
             H, T,
-            *k.stride(), *codes.stride(), *scale.stride(), *zero.stride(), pos.stride(0),
+            *k.stride(), *codes.stride(), *params.stride(), pos.stride(0),
             D=D, M=M, BLOCK_T=BLOCK_T,
         )
 
 
 # ---------------------------------------------------------------------------------- scores
 @triton.jit
-def _int2_scales(s_row, z_row, keys, live, ssl, ssm, szl, szm, M: tl.constexpr, M_PAD: tl.constexpr):
-    """The scales and zeros of the keys at slots `keys` as float32 [BLOCK_L, M_PAD] (0 where not live)."""
+def _int2_scales(r_row, keys, live, srl, srm, M: tl.constexpr, M_PAD: tl.constexpr):
+    """The scales and zeros of the keys at slots `keys` as float32 [BLOCK_L, M_PAD] (0 where not
+    live), from each key's one record of params."""
     m = tl.arange(0, M_PAD)
     lm = live[:, None] & (m < M)[None, :]
-    sc = tl.load(s_row + keys[:, None] * ssl + m[None, :] * ssm, mask=lm, other=0.0).to(tl.float32)
-    z = tl.load(z_row + keys[:, None] * szl + m[None, :] * szm, mask=lm, other=0.0).to(tl.float32)
+    rec = r_row + keys[:, None] * srl
+    sc = tl.load(rec + m[None, :] * srm, mask=lm, other=0.0).to(tl.float32)
+    z = tl.load(rec + (M + m)[None, :] * srm, mask=lm, other=0.0).to(tl.float32)
     return sc, z
 
 
@@ -214,8 +215,8 @@ def _tile_keys(p_row, start, N, filled, spn, POOL: tl.constexpr, BLOCK_L: tl.con
 
 @triton.jit
 def _scan_step(
-    q_bd, qsum, qmag, magic, c_row, s_row, z_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled, width,
-    scl, scw, ssl, ssm, szl, szm, spn, sol,
+    q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled, width,
+    scl, scw, srl, srm, spn, sol,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, POOL: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
     VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
@@ -223,7 +224,7 @@ def _scan_step(
     """Score and store the tile at `start` (its slots, scales and zeros loaded already); returns the
     next tile's, loaded ahead of its use."""
     keys_next, live_next = _tile_keys(p_row, start + STEP, N, filled, spn, POOL, BLOCK_L)
-    sc_next, z_next = _int2_scales(s_row, z_row, keys_next, live_next, ssl, ssm, szl, szm, M, M_PAD)
+    sc_next, z_next = _int2_scales(r_row, keys_next, live_next, srl, srm, M, M_PAD)
     score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
                               G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
     offs = start + tl.arange(0, BLOCK_L)
@@ -233,9 +234,9 @@ def _scan_step(
 
 @triton.jit
 def _int2_scan(
-    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr,
+    q_ptr, codes_ptr, params_ptr, tpos_ptr, pool_ptr, out_ptr,
     Hkv, L, N, PROGS, magic,
-    sqb, sqh, sqd, scb, sch, scl, scw, ssb, ssh, ssl, ssm, szb, szh, szl, szm, spb, sph, spn, sob, soh, sol,
+    sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, spb, sph, spn, sob, soh, sol,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, HAS_POS: tl.constexpr, POOL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
@@ -246,10 +247,8 @@ def _int2_scan(
     if PACKED:  # known strides let the loads vectorise (16 B of codes, 8 B of scales) and pipeline
         scl = D // 16
         scw = 1
-        ssl = M
-        ssm = 1
-        szl = M
-        szm = 1
+        srl = 2 * M
+        srm = 1
     pid = tl.program_id(0)
     r = tl.program_id(1)
     b, h = row_of(r, Hkv)
@@ -271,8 +270,7 @@ def _int2_scan(
     qmag = tl.sum(qv, axis=0)  # VARIANT 3: the scaled rows' sums (the constant's share)
     q_bd = qv.to(OP_DTYPE)
     c_row = codes_ptr + b * scb + h * sch
-    s_row = scale_ptr + b * ssb + h * ssh
-    z_row = zero_ptr + b * szb + h * szh
+    r_row = params_ptr + b * srb + h * srh
     o_row = out_ptr + b * sob + h * soh
     p_row = pool_ptr + b * spb + h * sph
     # A proposal scores the tiles holding written keys, then marks the unwritten rest (-inf, never
@@ -284,12 +282,12 @@ def _int2_scan(
     width = N if POOL else L  # the output row's
     rest = first + tl.cdiv(tl.maximum(stop - first, 0), STEP) * STEP
     keys, live = _tile_keys(p_row, first, N, filled, spn, POOL, BLOCK_L)
-    sc, z = _int2_scales(s_row, z_row, keys, live, ssl, ssm, szl, szm, M, M_PAD)  # a tile ahead
+    sc, z = _int2_scales(r_row, keys, live, srl, srm, M, M_PAD)  # a tile ahead
     if USE_FOR:
         for start in tl.range(first, stop, STEP):  # grid-stride
             keys, live, sc, z = _scan_step(
-                q_bd, qsum, qmag, magic, c_row, s_row, z_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
-                width, scl, scw, ssl, ssm, szl, szm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
+                q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
+                width, scl, scw, srl, srm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
                 OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
         if not POOL:
             for start in tl.range(rest, L, STEP):
@@ -298,8 +296,8 @@ def _int2_scan(
         start = first
         while start < stop:
             keys, live, sc, z = _scan_step(
-                q_bd, qsum, qmag, magic, c_row, s_row, z_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
-                width, scl, scw, ssl, ssm, szl, szm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
+                q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
+                width, scl, scw, srl, srm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
                 OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
             start += STEP
         if not POOL:
@@ -312,14 +310,13 @@ def _int2_scan(
 # Two kernels of one body, so that a profile names a proposal's scan and a refined layer's apart.
 @triton.jit
 def _int2_scores_kernel(
-    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, out_ptr,
+    q_ptr, codes_ptr, params_ptr, tpos_ptr, out_ptr,
     Hkv, L, PROGS,
     magic,  # VARIANT 2, 3: two copies of the 16-bit float 2^k (0x43004300 bf16, 0x64006400 fp16), an argument
     # so that it sits in a register and each (code & mask) | magic is one instruction
     sqb, sqh, sqd,
     scb, sch, scl, scw,
-    ssb, ssh, ssl, ssm,
-    szb, szh, szl, szm,
+    srb, srh, srl, srm,  # params: a key's M scales, then its M zeros
     sob, soh, sol,
     G: tl.constexpr,  # query heads per KV head: all scored in one program, so codes are read once
     G_PAD: tl.constexpr,  # G padded to a power of two
@@ -336,20 +333,19 @@ def _int2_scores_kernel(
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
     PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
 ):
-    _int2_scan(q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, tpos_ptr, out_ptr, Hkv, L, L, PROGS, magic,
-               sqb, sqh, sqd, scb, sch, scl, scw, ssb, ssh, ssl, ssm, szb, szh, szl, szm, 0, 0, 0, sob, soh, sol,
+    _int2_scan(q_ptr, codes_ptr, params_ptr, tpos_ptr, tpos_ptr, out_ptr, Hkv, L, L, PROGS, magic,
+               sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, 0, 0, 0, sob, soh, sol,
                G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, False, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
                USE_FOR, PACKED)
 
 
 @triton.jit
 def _int2_pool_scores_kernel(
-    q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr,
+    q_ptr, codes_ptr, params_ptr, tpos_ptr, pool_ptr, out_ptr,
     Hkv, L, N, PROGS, magic,
     sqb, sqh, sqd,
     scb, sch, scl, scw,
-    ssb, ssh, ssl, ssm,
-    szb, szh, szl, szm,
+    srb, srh, srl, srm,
     spb, sph, spn,  # the pool [B, Hkv, N] of cache slots
     sob, soh, sol,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
@@ -357,8 +353,8 @@ def _int2_pool_scores_kernel(
     VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr, USE_FOR: tl.constexpr,
     PACKED: tl.constexpr,
 ):
-    _int2_scan(q_ptr, codes_ptr, scale_ptr, zero_ptr, tpos_ptr, pool_ptr, out_ptr, Hkv, L, N, PROGS, magic,
-               sqb, sqh, sqd, scb, sch, scl, scw, ssb, ssh, ssl, ssm, szb, szh, szl, szm, spb, sph, spn, sob, soh, sol,
+    _int2_scan(q_ptr, codes_ptr, params_ptr, tpos_ptr, pool_ptr, out_ptr, Hkv, L, N, PROGS, magic,
+               sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, spb, sph, spn, sob, soh, sol,
                G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, True, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
                USE_FOR, PACKED)
 
@@ -366,24 +362,22 @@ def _int2_pool_scores_kernel(
 _OP_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def int2_scores_supported(q, codes, scale, zero, pos=None, positions=None) -> bool:
-    if not on_kernel_device(q, codes, scale, zero, pos, positions):
+def int2_scores_supported(q, codes, params, pos=None, positions=None) -> bool:
+    if not on_kernel_device(q, codes, params, pos, positions):
         return False
-    if q.dim() != 4 or codes.dim() != 4 or scale.dim() != 4 or zero.dim() != 4:
+    if q.dim() != 4 or codes.dim() != 4 or params.dim() != 4:
         return False
     D = q.shape[-1]
-    M = scale.shape[-1]
+    M = params.shape[-1] // 2
     return (
         q.dtype in FLOAT_DTYPES
         and q.shape[2] == 1
         and codes.dtype == torch.int32
-        and scale.dtype in FLOAT_DTYPES
-        and zero.dtype in FLOAT_DTYPES
+        and params.dtype in FLOAT_DTYPES
         and is_pow2(D) and 16 <= D <= 256
         and codes.shape[-1] * INT2_CODES_PER_WORD == D
-        and M > 0 and D % M == 0 and is_pow2(M)
-        and zero.shape == scale.shape
-        and scale.shape[:3] == codes.shape[:3]
+        and params.shape[-1] == 2 * M and M > 0 and D % M == 0 and is_pow2(M)
+        and params.shape[:3] == codes.shape[:3]
         and q.shape[0] == codes.shape[0]
         and q.shape[1] % codes.shape[1] == 0
         and (pos is None or (pos.dim() == 1 and pos.shape[0] >= 1 and not pos.is_floating_point()))
@@ -392,14 +386,14 @@ def int2_scores_supported(q, codes, scale, zero, pos=None, positions=None) -> bo
     )
 
 
-def int2_scores(q, codes, scale, zero, pos=None, positions=None, *, block_l=INT2_BLOCK_L, warps=4,
+def int2_scores(q, codes, params, pos=None, positions=None, *, block_l=INT2_BLOCK_L, warps=4,
                 stages=STREAM_STAGES, waves=STREAM_WAVES, variant=None) -> torch.Tensor:
     """max over the group of <q, dequantised k>: [B,Hkv,L] float32, or [B,Hkv,N] at the slots
     `positions` [B,Hkv,N] (reference.int2_scores)."""
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
     N = L if positions is None else positions.shape[-1]
-    M = scale.shape[-1]
+    M = params.shape[-1] // 2
     G = Hq // Hkv
     out = torch.empty(B, Hkv, N, dtype=torch.float32, device=codes.device)
     if B * Hkv * N == 0:
@@ -414,13 +408,13 @@ def int2_scores(q, codes, scale, zero, pos=None, positions=None, *, block_l=INT2
         variant = 3 if B * Hkv * N >= INT2_IN_PLACE_MIN_KEYS else 2
     tpos = pos[-1:] if pos is not None else codes
     magic = 0x43004300 if half == torch.bfloat16 else 0x64006400
-    strides = (q.stride(0), q.stride(1), q.stride(3), *codes.stride(), *scale.stride(), *zero.stride())
+    strides = (q.stride(0), q.stride(1), q.stride(3), *codes.stride(), *params.stride())
     if positions is None:
         kernel = _int2_scores_kernel
-        args = (q, codes, scale, zero, tpos, out, Hkv, L, progs, magic, *strides, *out.stride())
+        args = (q, codes, params, tpos, out, Hkv, L, progs, magic, *strides, *out.stride())
     else:
         kernel = _int2_pool_scores_kernel
-        args = (q, codes, scale, zero, tpos, positions, out, Hkv, L, N, progs, magic, *strides, *positions.stride(),
+        args = (q, codes, params, tpos, positions, out, Hkv, L, N, progs, magic, *strides, *positions.stride(),
                 *out.stride())
     torch.library.wrap_triton(kernel)[(progs, B * Hkv)](
         *args,
@@ -432,7 +426,7 @@ def int2_scores(q, codes, scale, zero, pos=None, positions=None, *, block_l=INT2
         MAGIC_VALUE=128.0 if half == torch.bfloat16 else 1024.0,
         HALF=_OP_DTYPE[half or torch.float16],
         USE_FOR=not interpreting(),
-        PACKED=codes.stride()[2:] == (D // 16, 1) and scale.stride()[2:] == zero.stride()[2:] == (M, 1),
+        PACKED=codes.stride()[2:] == (D // 16, 1) and params.stride()[2:] == (2 * M, 1),
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -162,14 +162,14 @@ class Prism(Method):
         if "int2" in kinds:
             M = kv.head_dim // plan.int2_group
             out |= {"codes": Spec((kv.head_dim // INT2_CODES_PER_WORD,), torch.int32),
-                    "scale": Spec((M,), SCALE_DTYPE), "zero": Spec((M,), SCALE_DTYPE)}
+                    "params": Spec((2 * M,), SCALE_DTYPE)}
         return out
 
     def write(self, emit, state, layer, kv, side, new_keys, pos):
         if "signatures" in side:
             write_signatures(emit, state, layer, kv, side, new_keys, pos)
         if "codes" in side:
-            emit.call(OPS.int2_write.default, side["codes"], side["scale"], side["zero"], new_keys, pos)
+            emit.call(OPS.int2_write.default, side["codes"], side["params"], new_keys, pos)
 
     def site_problem(self, role, kv, plan):
         return self._int2_problem(kv.head_dim, plan) if "int2" in self._scorers(role, plan) else None
@@ -214,7 +214,7 @@ class Prism(Method):
             both = emit.call(OPS.hash_select_nested.default, query_logits(emit, state, site), side["signatures"], site.pos,
                              p.pool, p.budget, p.sink, p.local, site.mask, site.start)
         else:
-            scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos)
+            scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["params"], site.pos)
             both = emit.call(OPS.select_nested.default, scores, site.pos, p.pool, p.budget, p.sink, p.local, site.mask,
                              site.start)
         ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
@@ -227,7 +227,7 @@ class Prism(Method):
             return proposal_idx
         p, side = state.plan, site.side
         if p.refine == "int2":
-            scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["scale"], side["zero"], site.pos, pool)
+            scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["params"], site.pos, pool)
             return self.topk(emit, state, site, scores, p.budget, positions=pool)
         # the mass of the pool ranked as it is computed (mass_select), never written out
         return emit.call(OPS.mass_select.default, site.q, site.k, site.scale, site.mask, pool, site.pos, p.budget,
