@@ -28,20 +28,24 @@ def _counting():
     from torch._inductor import scheduler as S
     from torch._inductor.codegen import wrapper as W
 
-    counts = {"scheduler_nodes": 0, "fusion_pairs_tried": 0, "user_kernels_defined": 0}
+    counts = {"scheduler_nodes": 0, "fused_nodes": 0, "fusion_pairs_tried": 0, "user_kernels_defined": 0}
 
-    def wrap(owner, name, key, size=None):
+    def wrap(owner, name, key, size=None, out_key=None):
         real = getattr(owner, name, None)
         if real is None:
             return
 
         def counted(*args, **kwargs):
             counts[key] += size(args) if size else 1
-            return real(*args, **kwargs)
+            out = real(*args, **kwargs)
+            if out_key:
+                counts[out_key] += len(out)
+            return out
 
         setattr(owner, name, counted)
 
-    wrap(S.Scheduler, "fuse_nodes", "scheduler_nodes", lambda a: len(a[1]) if len(a) > 1 else 0)
+    # nodes before and after fusion: a narrower fusion search must leave the second unchanged
+    wrap(S.Scheduler, "fuse_nodes", "scheduler_nodes", lambda a: len(a[1]) if len(a) > 1 else 0, "fused_nodes")
     wrap(S.Scheduler, "can_fuse", "fusion_pairs_tried")
     wrap(W.PythonWrapperCodegen, "define_user_defined_triton_kernel", "user_kernels_defined")
     return counts
@@ -93,15 +97,16 @@ def run_fresh(plan: str, args) -> dict:
 def table(rows: list[dict], meta: dict) -> str:
     out = [f"Cold compile of the decode graph, {benchlib.where(meta)}, `{meta['command']}`; seconds "
            "(phases overlap: the scheduler's and codegen's sit inside GraphLowering's caller)", "",
-           "| plan | layers | compile s | " + " | ".join(benchlib.COMPILE_PHASES) + " | scheduler nodes | fusion pairs | our kernels |",
-           "|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 3)]
+           "| plan | layers | compile s | " + " | ".join(benchlib.COMPILE_PHASES)
+           + " | scheduler nodes | after fusion | fusion pairs | our kernels |",
+           "|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 4)]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['plan']} | {r['layers']} | error: {r['error']} |")
             continue
         ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in benchlib.COMPILE_PHASES)
         out.append(f"| {r['plan']} | {r['layers']} | {r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | "
-                   f"{r['fusion_pairs_tried']} | {r['user_kernels_defined']} |")
+                   f"{r.get('fused_nodes', '-')} | {r['fusion_pairs_tried']} | {r['user_kernels_defined']} |")
     return "\n".join(out) + "\n"
 
 

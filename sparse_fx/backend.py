@@ -7,6 +7,8 @@ import torch
 from .compiled import CompiledState
 from .rewrite import rewrite
 
+FUSION_PAIR_WINDOW = 8  # Inductor's max_fusion_buffer_group_pairwise_attempts for our compiles (torch's: 64)
+
 
 def sparse_backend(state: CompiledState):
     """A torch.compile backend bound to one compiled model's state."""
@@ -29,6 +31,13 @@ def sparse_backend(state: CompiledState):
         import torch._inductor.config as inductor_config
 
         patches = dict(list_mode_options(mode))  # scoped to this compile: global config stays as it was
+        if hasattr(inductor_config, "max_fusion_buffer_group_pairwise_attempts"):
+            # The fusion search tries each node against the next N nodes that read the same buffer.
+            # Every layer's glue reads the cache position, so that buffer's group grows with depth
+            # (51 nodes at 4 layers) and at torch's 64 its pairs dominate the search; the nodes that
+            # can fuse through it are one layer's own, a few apart in the group (bench/compile_time.py
+            # counts the nodes left after fusion: the same either way).
+            patches["max_fusion_buffer_group_pairwise_attempts"] = FUSION_PAIR_WINDOW
         if hasattr(inductor_config, "use_static_cuda_launcher"):
             # torch 2.11's static launcher crashed (SIGSEGV) launching a kernel of our graphs while
             # CUDA graph trees recorded it; Triton's own launcher does not
