@@ -8,6 +8,7 @@ scale Inductor's work: scheduler nodes, fusion pairs tried (`Scheduler.can_fuse`
 kernels Inductor defines in its code.
 
     python bench/compile_time.py --plans dense hash prism-g4 --layers 32
+    python bench/compile_time.py --plans prism-g4 --fusion-window 64   # torch's default fusion search
     python bench/compile_time.py --one hash --layers 2 --small      # one plan, this process (the worker)
 """
 
@@ -51,10 +52,14 @@ def _counting():
     return counts
 
 
-def measure_one(plan: str, layers: int, small: bool) -> dict:
+def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None = None) -> dict:
     import torch
 
     import sparse_fx
+    from sparse_fx import backend
+
+    if fusion_window:  # A/B of the fusion search's window (the plan's own compile only)
+        backend.FUSION_PAIR_WINDOW = fusion_window
     from decode_speed import build_model, random_static_cache  # bench/decode_speed.py
 
     dev = "cuda" if torch.cuda.is_available() and not small else "cpu"
@@ -78,7 +83,8 @@ def measure_one(plan: str, layers: int, small: bool) -> dict:
             if dev == "cuda":
                 torch.cuda.synchronize()
             calls.append(time.perf_counter() - t0)
-    return {"plan": plan, "layers": layers, "device": dev, "compile_s": calls[0] - calls[1],
+    return {"plan": plan, "layers": layers, "device": dev, "fusion_window": backend.FUSION_PAIR_WINDOW,
+            "compile_s": calls[0] - calls[1],
             "phases_s": benchlib.compile_phases(), **counts}
 
 
@@ -87,6 +93,7 @@ def run_fresh(plan: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
         cmd = [sys.executable, __file__, "--one", plan, "--layers", str(args.layers)] + (["--small"] if args.small else [])
+        cmd += ["--fusion-window", str(args.fusion_window)] if args.fusion_window else []
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
@@ -97,15 +104,16 @@ def run_fresh(plan: str, args) -> dict:
 def table(rows: list[dict], meta: dict) -> str:
     out = [f"Cold compile of the decode graph, {benchlib.where(meta)}, `{meta['command']}`; seconds "
            "(phases overlap: the scheduler's and codegen's sit inside GraphLowering's caller)", "",
-           "| plan | layers | compile s | " + " | ".join(benchlib.COMPILE_PHASES)
+           "| plan | layers | fusion window | compile s | " + " | ".join(benchlib.COMPILE_PHASES)
            + " | scheduler nodes | after fusion | fusion pairs | our kernels |",
-           "|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 4)]
+           "|---|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 4)]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['plan']} | {r['layers']} | error: {r['error']} |")
+            out.append(f"| {r['plan']} | {r['layers']} | | error: {r['error']} |")
             continue
         ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in benchlib.COMPILE_PHASES)
-        out.append(f"| {r['plan']} | {r['layers']} | {r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | "
+        window = "torch's" if r["plan"] == "dense" else r.get("fusion_window", 64)
+        out.append(f"| {r['plan']} | {r['layers']} | {window} | {r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | "
                    f"{r.get('fused_nodes', '-')} | {r['fusion_pairs_tried']} | {r['user_kernels_defined']} |")
     return "\n".join(out) + "\n"
 
@@ -115,11 +123,13 @@ def main() -> None:
     p.add_argument("--plans", nargs="+", default=["dense", "hash", "prism-g4", "prism-g4-hash"])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--small", action="store_true", help="a narrow model on the CPU (smoke runs)")
+    p.add_argument("--fusion-window", type=int, help="Inductor's fusion pairs per buffer group for our compiles "
+                   "(default: sparse_fx.backend.FUSION_PAIR_WINDOW; torch's own is 64)")
     p.add_argument("--one", metavar="PLAN", help="measure one plan in this process and print its row (the worker)")
     benchlib.add_out(p)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(measure_one(a.one, a.layers, a.small)), flush=True)
+        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window)), flush=True)
         return
     rows = []
     for plan in a.plans:
