@@ -19,7 +19,8 @@ from sparse_fx.lowering import reference as ref
 
 NVIDIA_TOOLS = (pathlib.Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists()
 needs_tools = pytest.mark.skipif(not NVIDIA_TOOLS, reason="triton without the NVIDIA backend tools")
-WRITABLE = {"out_ptr", "inner_ptr", "keys_ptr", "cum_ptr", "ckey_ptr", "tot_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr", "params_ptr"}
+WRITABLE = {"out_ptr", "inner_ptr", "keys_ptr", "cum_ptr", "ckey_ptr", "tot_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr",
+            "params_ptr", "bar_ptr"}  # outputs, the caches an op writes, and scratch it allocates
 
 
 def _compile_check(*flags: str) -> str:

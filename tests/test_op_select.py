@@ -152,8 +152,9 @@ def test_select_topk_equals_the_contract(kind, mask_kind):
 @MORE
 @given(kind=st.sampled_from(KINDS), mask_kind=st.sampled_from(["none", "bool", "min", "inf-head"]), pooled=st.booleans(),
        k=st.integers(1, 320), sink=st.integers(0, 20), local=st.integers(1, 40), now=st.integers(0, 299),
-       padded=st.booleans(), seed=st.integers(0, 2**16))
-def test_select_topk_property(kind, mask_kind, pooled, k, sink, local, now, padded, seed):
+       padded=st.booleans(), fuse=st.booleans(), seed=st.integers(0, 2**16))
+def test_select_topk_property(kind, mask_kind, pooled, k, sink, local, now, padded, fuse, seed):
+    """fuse: the passes as one kernel (here one launch a pass: the interpreter runs programs in turn)."""
     g = gen(seed)
     B, Hkv, L = 2, 2, 300
     N = 120 if pooled else L
@@ -169,7 +170,7 @@ def test_select_topk_property(kind, mask_kind, pooled, k, sink, local, now, padd
         positions = torch.stack([torch.stack([torch.randperm(L, generator=g)[:N] for _ in range(Hkv)]) for _ in range(B)])
         positions[..., ::5] = -1
         positions = positions.to(DEV)
-    check(scores, torch.tensor([now], device=DEV), k, sink, local, mask, positions, start)
+    check(scores, torch.tensor([now], device=DEV), k, sink, local, mask, positions, start, fuse=fuse)
 
 
 def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **knobs):
@@ -190,11 +191,12 @@ def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **
 @MORE
 @given(kind=st.sampled_from(KINDS), mask_kind=st.sampled_from(["none", "bool", "min", "inf-head"]), k=st.integers(1, 320),
        inner=st.integers(1, 320), sink=st.integers(0, 20), local=st.integers(1, 40), now=st.integers(0, 299),
-       padded=st.booleans(), level_bits=st.sampled_from([4, 8]), row=st.booleans(), seed=st.integers(0, 2**16))
-def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, padded, level_bits, row, seed):
+       padded=st.booleans(), level_bits=st.sampled_from([4, 8]), row=st.booleans(), fuse=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, padded, level_bits, row, fuse, seed):
     """A Prism proposal's pool and budget in one selection: the pool is select_topk's k, the budget
     the best k_inner within the pool (the same keys above the pool's cut; at it, the pool's ties),
-    by one program a row over the pool's keys or by the passes counting both lists."""
+    by one program a row over the pool's keys or by the passes counting both lists (fuse: in one kernel)."""
     g = gen(seed)
     B, Hkv, L = 2, 2, 300
     scores = _scores(kind, B, Hkv, L, g).to(DEV)
@@ -205,7 +207,7 @@ def test_select_nested_property(kind, mask_kind, k, inner, sink, local, now, pad
         if mask is not None:
             mask[1, ..., : int(start[1])] = False if mask.dtype == torch.bool else float("-inf")
     check_nested(scores, torch.tensor([now], device=DEV), k, min(inner, k), sink, local, mask, start,
-                 level_bits=level_bits, block=64, waves=64, row=row)
+                 level_bits=level_bits, block=64, waves=64, row=row, fuse=fuse)
 
 
 @pytest.mark.parametrize("G,W", [(4, 1), (8, 1)])  # 8-bit and 16-bit Hamming keys
@@ -395,3 +397,35 @@ def test_select_nested_real_shapes(kind, row, B):
     want, want_in = ref.select_nested(scores.cpu(), pos.cpu(), 16384, 4096, 128, 128, mask.cpu())
     assert torch.equal(out.cpu(), want) and torch.equal(inner.cpu(), want_in)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("what", ["nested 128K", "pool 16K"])
+def test_fused_passes_at_batch_one_never_race(what):
+    """The passes in one launch with a row barrier between them (fuse=True), at batch 1: a Prism
+    proposal's 128K row (16 programs a row) and a refined layer's 16K pool, 20 launches each, every
+    one equal to the reference: a barrier that let a program read counts too early would show."""
+    from sparse_fx.lowering.kernels.common import num_sms
+
+    g = gen(18)
+    L = 131072
+    scores = _scores("ties", 1, 8, L, g).to(DEV)  # ties: every count matters
+    pos = torch.tensor([L - 5], device=DEV)
+    mask = torch.ones(1, 1, 1, L, dtype=torch.bool, device=DEV)
+    assert 16 * 8 <= num_sms(scores.device), "the fused launch needs every program resident at once"
+    if what == "nested 128K":
+        want = ref.select_nested(scores.cpu(), pos.cpu(), 16384, 4096, 128, 128, mask.cpu())
+
+        def run():
+            return K.select_topk(scores, pos, 16384, 128, 128, mask, k_inner=4096, row=False, cap=16, fuse=True)
+    else:
+        pool = torch.stack([torch.randperm(L - 200, generator=g)[:16384] for _ in range(8)])[None].to(torch.int32).to(DEV)
+        pscores = scores[..., :16384].contiguous()
+        want = (ref.select_topk(pscores.cpu(), pos.cpu(), 4096, 128, 128, mask.cpu(), pool.cpu()),)
+
+        def run():
+            return (K.select_topk(pscores, pos, 4096, 128, 128, mask, pool, fuse=True),)
+    for _ in range(20):
+        got = run()
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
