@@ -74,8 +74,8 @@ BLOCK = 2048  # candidates per step of every pass (all passes of one select cut 
 WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 32, 8
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
 # The float selections' passes in one launch (`_fused_select_kernel`) where all rows x programs fit
-# on the device at once. Off until timed on a GPU (bench/NOTES.md: predicted -5 to -7 us a selection
-# at batch 1); `fuse=True` asks for it.
+# on the device at once. Off until timed on a GPU (bench/NOTES.md: predicted ~5 us less a refined
+# layer's selection at batch 1); `fuse=True` asks for it.
 FUSE_PASSES = False
 WAVES = 4
 HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
@@ -517,13 +517,11 @@ def _fused_select_kernel(
     if PHASE < 0:
         _row_barrier(bar_ptr, r, PROGS, 1)
     for level in tl.static_range(1, LEVELS):
+        if PHASE < 0 or PHASE == level:
+            _hist_kernel(tpos_ptr, start_ptr, keys_ptr, cum_ptr, Hkv, N, sink, local, K, K_IN, PROGS,
+                         level, LEVELS * LB, LB, BLOCK, P_PAD, HAS_POS, HAS_START, NESTED, USE_FOR)
         if PHASE < 0:
-            _hist_kernel(tpos_ptr, start_ptr, keys_ptr, cum_ptr, Hkv, N, sink, local, K, K_IN, PROGS,
-                         level, LEVELS * LB, LB, BLOCK, P_PAD, HAS_POS, HAS_START, NESTED, USE_FOR)
             _row_barrier(bar_ptr, r, PROGS, 1 + level)
-        elif PHASE == level:
-            _hist_kernel(tpos_ptr, start_ptr, keys_ptr, cum_ptr, Hkv, N, sink, local, K, K_IN, PROGS,
-                         level, LEVELS * LB, LB, BLOCK, P_PAD, HAS_POS, HAS_START, NESTED, USE_FOR)
     if PHASE < 0 or PHASE == LEVELS:
         _select_kernel(tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, inner_ptr, ckey_ptr,
                        Hkv, N, L, sink, local, K, K_IN, min_half, PROGS,
@@ -740,8 +738,8 @@ def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, o
     mask_meta = dict(HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads)
     chunks = dict(BLOCK=block, LB=lb, HAS_POS=has_pos, HAS_START=has_start, USE_FOR=not interpreting(), num_warps=warps)
     common = dict(P_PAD=pow2(progs), NESTED=inner is not None, **chunks)
-    ckeys = keys if ckeys is None else ckeys
-    trim = ckeys is not keys
+    trim = ckeys is not None
+    ckeys = keys if ckeys is None else ckeys  # unwritten without the trim
     if key_pass is not None:
         kp = key_pass
         key_meta = dict(KIND=kp.kind, G=kp.G, G_PAD=kp.G_PAD, S_PAD=pow2(kp.splits), TRIM=trim, **mask_meta)
