@@ -56,11 +56,11 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     import torch
 
     import sparse_fx
+    from decode_speed import build_model, random_static_cache  # bench/decode_speed.py
     from sparse_fx import backend
 
     if fusion_window:  # A/B of the fusion search's window (the plan's own compile only)
         backend.FUSION_PAIR_WINDOW = fusion_window
-    from decode_speed import build_model, random_static_cache  # bench/decode_speed.py
 
     dev = "cuda" if torch.cuda.is_available() and not small else "cpu"
     # small: 32 heads of 32, a narrow model of the same depth
