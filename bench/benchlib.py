@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import importlib.metadata
 import json
 import os
@@ -87,6 +88,20 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def set_kernel_constant(knob: str) -> None:
+    """`module.NAME=INT` sets a launch constant of sparse_fx.lowering.kernels.<module> (read at
+    launch, so the next launches use it); an unknown module or name is an error naming it."""
+    lhs, sep, value = knob.partition("=")
+    module, dot, name = lhs.partition(".")
+    if not (sep and dot and value.lstrip("-").isdigit()):
+        raise SystemExit(f"--set {knob!r}: expected module.NAME=INT, e.g. select.WIDE_CAP=16")
+    mod = importlib.import_module(f"sparse_fx.lowering.kernels.{module}")
+    old = getattr(mod, name, None)
+    if not isinstance(old, (bool, int)) or not name.isupper():
+        raise SystemExit(f"--set {knob!r}: sparse_fx.lowering.kernels.{module} has no integer constant {name}")
+    setattr(mod, name, type(old)(int(value)))
 
 
 def source_hash(root: Path = ROOT) -> str:

@@ -66,9 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes; prints only")
     p.add_argument("--fuse", action="store_true", help="float selections' passes in one launch where a row's programs "
                    "all fit at once (sparse_fx.lowering.kernels.select.FUSE_PASSES)")
-    p.add_argument("--wide-cap", type=int, default=None, help="programs a row of a wide float selection over a cache "
-                   "row at <= WIDE_CAP_ROWS rows (sparse_fx.lowering.kernels.select.WIDE_CAP; 16 lets batch 1's "
-                   "128K proposal fuse)")
+    p.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                   help="launch constants of sparse_fx.lowering.kernels, read at launch: e.g. select.WIDE_CAP=16 "
+                   "(lets batch 1's 128K proposal fuse), int2.POOL_CODES_AHEAD=1 int2.POOL_BLOCK_L=256")
     benchlib.add_out(p)
     return p.parse_args(argv)
 
@@ -85,8 +85,8 @@ from sparse_fx.lowering import reference as ref  # noqa: E402
 from sparse_fx.lowering.kernels import select as _select  # noqa: E402
 
 _select.FUSE_PASSES = ARGS.fuse
-if ARGS.wide_cap:
-    _select.WIDE_CAP = ARGS.wide_cap
+for _knob in ARGS.set:
+    benchlib.set_kernel_constant(_knob)
 
 T0 = time.perf_counter()
 

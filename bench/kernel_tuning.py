@@ -36,7 +36,7 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="two configurations per kernel")
     p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
     p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "mass", "int2", "attention"],
-                   help="sweep only these kernels")
+                   help="sweep only these kernels (int2: the proposal's scan and a refined layer's pool scan)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1, tiny shapes, one configuration a sweep, no timing: the script's paths")
     benchlib.add_out(p)
@@ -266,6 +266,14 @@ def main() -> None:
                 # the older lowering's separate scale and zero tensors (before the one params record)
                 split = [(c, *(t.contiguous() for t in ref.int2_split(prm))) for c, prm in st.int2]
                 best["int2_scores_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *split[i]))) / nl)
+            # a refined layer's scan of its pool (the proposal's list past the window, a view, as the step hands it on)
+            ipools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:] for i in range(nl)]
+            space = dict(block_l=[64, 128, 256], ahead=[False, True], waves=[2, 4, 8], stages=[2, 3])
+            record("int2_pool", sweep("int2_scores pool", space, lambda **c: per_layer(
+                lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, ipools[i], **c)),
+                R * pool_n * (4 + D // 4 + 4 * (D // 32) + 4) * nl, copy, res["rows"], shape))
+            profile["int2_pool"] = benchlib.kernel_times(lambda: I.int2_scores(st.q[0], *st.int2[0], st.pos, ipools[0],
+                                                                            **best["int2_pool"]["config"]))
         if want("attention"):
             idx = [S.hash_select(st.qlog[i], st.sig[i], st.pos, BUDGET, SINK, LOCAL, st.mask) for i in range(nl)]
             att_bytes = R * (BUDGET + SINK + LOCAL) * (2 * D * 2 + 4)
@@ -288,14 +296,14 @@ def main() -> None:
         benchlib.save(ARGS.out, stem, res)  # a run stopped at its time limit keeps its shapes
     res["wall_s"] = time.perf_counter() - T0
     benchlib.save(ARGS.out, stem, res)
-    print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'selpool':>8} {'old':>7} "
+    print(f"\n{'ctx':>7} {'B':>3} {'dense':>8} {'hash_sel':>9} {'old':>7} {'int2':>8} {'old':>7} {'i2pool':>7} {'selpool':>8} {'old':>7} "
           f"{'n.row':>7} {'n.pass':>7} {'old':>7} {'inpool':>7} {'mass':>7} {'old':>7} {'mass.95':>7} {'attn':>7} "
           f"{'old':>7}   (us per layer)")
     for b in res["best"]:
         def us(key):
             return f"{b[key]['ms'] * 1e3:.1f}" if key in b else "-"
         print(f"{b['context']:>7} {b['batch']:>3} {us('dense_sdpa'):>8} {us('hash_select'):>9} {us('hash_select_old'):>7} "
-              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} "
+              f"{us('int2_scores'):>8} {us('int2_scores_old'):>7} {us('int2_pool'):>7} {us('select_pool'):>8} {us('select_pool_old'):>7} "
               f"{us('select_nested_row'):>7} {us('select_nested_passes'):>7} {us('select_nested_old'):>7} "
               f"{us('select_in_pool'):>7} {us('mass_select_1.0'):>7} "
               f"{us('mass_select_old'):>7} {us('mass_select_0.95'):>7} {us('attention'):>7} "

@@ -143,10 +143,10 @@ def _pool(B, Hkv, N, L, filled, g, empty=0.2):
 @MORE
 @given(G=st.sampled_from([1, 3, 4]), D=st.sampled_from([16, 64, 128]), N=st.integers(1, 300),
        variant=st.sampled_from([0, 2, 3]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       seed=st.integers(0, 2**16))
-def test_int2_pool_scores_match_reference(G, D, N, variant, dtype, seed):
+       ahead=st.booleans(), seed=st.integers(0, 2**16))
+def test_int2_pool_scores_match_reference(G, D, N, variant, dtype, ahead, seed):
     """A refined layer's scan of its pool: the score of entry n's slot at n, -inf for empty entries,
-    on a strided pool."""
+    on a strided pool; its codes loaded a tile ahead or not."""
     g = gen(seed)
     B, Hkv, L = 2, 2, 400
     filled = max(N, int(torch.randint(1, L + 1, (1,), generator=g)))
@@ -156,13 +156,29 @@ def test_int2_pool_scores_match_reference(G, D, N, variant, dtype, seed):
     pool = _pool(B, Hkv, N, L, filled, g)
     assert not pool.is_contiguous()
     with poisoned():
-        got = K.int2_scores(q, codes, params, pos, pool, variant=variant).cpu()
+        got = K.int2_scores(q, codes, params, pos, pool, variant=variant, ahead=ahead).cpu()
     want = ref.int2_scores(q.cpu(), codes.cpu(), params.cpu(), pos.cpu(), pool.cpu())
     assert got.shape == (B, Hkv, N) and torch.equal(torch.isinf(got), pool.cpu() < 0)
     fin = torch.isfinite(want)
     if fin.any():
         tol = (3e-4 if variant and dtype == torch.float16 else 5e-5) * want[fin].abs().max().item() * math.sqrt(D / 16)
         torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [0, 2, 3])
+def test_codes_loaded_ahead_score_bit_for_bit_alike(variant):
+    """Loading a tile's codes a step ahead changes when bytes move, not the arithmetic: over the
+    cache and over a pool, with many tiles a program and a ragged last tile, the scores are equal."""
+    g = gen(20 + variant)
+    B, Hkv, G, L, D, N = 1, 2, 4, 333, 64, 150
+    codes, params = (t.to(DEV) for t in ref.int2_quantize(randn(B, Hkv, L, D, g=g).cpu(), 32))
+    q = randn(B, Hkv * G, 1, D, g=g, dtype=torch.bfloat16 if variant else torch.float32)
+    pos = torch.tensor([300], device=DEV)
+    pool = _pool(B, Hkv, N, L, 301, g)
+    for positions in (None, pool):
+        a, b = (K.int2_scores(q, codes, params, pos, positions, block_l=16, waves=1, variant=variant, ahead=ahead)
+                for ahead in (False, True))
+        assert torch.isfinite(a).any() and torch.equal(a, b)
 
 
 def test_int2_pool_scores_of_unwritten_slots_are_minus_inf():
@@ -192,9 +208,10 @@ def test_int2_scores_real_shapes(variant):
     assert (got - want).norm() / want.norm() < 1e-4
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_int2_pool_scores_real_shapes():
+def test_int2_pool_scores_real_shapes(ahead):
     """A refined layer at 128K: a pool of 16384 of 131072 slots a row, batch 2."""
     g = gen(6)
     B, Hkv, G, L, D, N = 2, 8, 4, 131072, 128, 16384
@@ -204,7 +221,7 @@ def test_int2_pool_scores_real_shapes():
     pool = torch.rand(B, Hkv, L, device=DEV).topk(N, -1).indices.sort(-1).values.int()
     pool[0, 0, -100:] = -1
     pos = torch.tensor([L - 1], device=DEV)
-    got = K.int2_scores(q, codes, params, pos, pool)
+    got = K.int2_scores(q, codes, params, pos, pool, ahead=ahead)
     want = ref.int2_scores(q, codes, params, pos, pool)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got)) and (got[fin] - want[fin]).norm() / want[fin].norm() < 1e-4

@@ -119,6 +119,9 @@ def _scenarios():
     yield "int2_scores fp32", lambda: K.int2_scores(q.float(), codes, prm)
     ranked = torch.zeros(B, Hkv, 256 + 16384, dtype=torch.int32)  # a refined layer's pool: a view of the proposal's list
     yield "int2_scores pool", lambda: K.int2_scores(q, codes, prm, pos, ranked[..., 256:])
+    yield "int2_scores pool ahead", lambda: K.int2_scores(q, codes, prm, pos, ranked[..., 256:], ahead=True)
+    yield "int2_scores pool ahead 256", lambda: K.int2_scores(q, codes, prm, pos, ranked[..., 256:], ahead=True,
+                                                               block_l=256)
     yield "mass_scores pool", lambda: K.mass_scores(q, k, None, mask_f, pool)
     yield "mass_scores oracle", lambda: K.mass_scores(q, k, None, mask_b)
     yield "mass_select pool", lambda: K.mass_select(q, k, None, mask_f, pool, pos, 1024, 128, 128)

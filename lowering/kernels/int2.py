@@ -26,6 +26,11 @@ INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
 # latency a tile). H200, 2026-12-02 (results/kernel-tuning-2026-12-02.json, full caches): variant 3
 # wins by 5-9% at 4M slots and 9% at 16M, loses by 7-22% at 1M and below.
 INT2_IN_PLACE_MIN_KEYS = 1 << 22
+# A refined layer's pool scan: its tiles' codes loaded a tile ahead by hand and its slots two (no
+# load of a step then waits on another), its keys a step, programs per SM and pipeline depth.
+# Untimed: the cache scan's until an H200 measures them (bench/NOTES.md, the pool scan in flight).
+POOL_CODES_AHEAD = False
+POOL_BLOCK_L, POOL_WAVES, POOL_STAGES = INT2_BLOCK_L, STREAM_WAVES, STREAM_STAGES
 
 
 # ---------------------------------------------------------------------------------- write
@@ -144,15 +149,21 @@ def _pool_keys(p_row, start, N, filled, spn, BLOCK_L: tl.constexpr):
 
 
 @triton.jit
+def _int2_words(c_row, keys, live, scl, scw, D: tl.constexpr):
+    """The packed codes [BLOCK_L, D // 16] of the keys at slots `keys` (0 where not live)."""
+    w = tl.arange(0, D // 16)
+    return tl.load(c_row + keys[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
+
+
+@triton.jit
 def _int2_scores_tile(
-    q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
+    q_bd, qsum, qmag, magic, words, sc, z, live,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
     MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
 ):
-    """Scores [BLOCK_L] of the keys at slots `keys` (-inf where not live; sc, z: their scales and
-    zeros, loaded a tile ahead): their
-    codes as a [BLOCK_L, D] tile of small floats times the block-diagonal query matrix
+    """Scores [BLOCK_L] of a tile of keys (-inf where not live; words, sc, z: their packed codes,
+    scales and zeros): their codes as a [BLOCK_L, D] tile of small floats times the block-diagonal query matrix
     [D, M_PAD * G_PAD] (column m * G_PAD + g holds query head g on the channels of scale group m)
     in one MMA; then per key and head sum_m scale_m * dot_m + zero_m * qsum_m, and the max over
     the heads.
@@ -167,9 +178,6 @@ def _int2_scores_tile(
     code * 4^(r // 4). A thread's operand registers r and r + 4 share the shift and no halves move;
     the query rows follow the columns' channels, scaled by 4^-(r // 4) (exact), and the constant's
     share, 2^k times the scaled rows' sum (qmag), is taken off the dot."""
-    NW: tl.constexpr = D // 16
-    w = tl.arange(0, NW)
-    words = tl.load(c_row + keys[:, None] * scl + w[None, :] * scw, mask=live[:, None], other=0)
     if VARIANT == 3:  # pair registers in the MMA's order: no halves moved
         r = tl.arange(0, 8)
         pair = ((words[:, :, None] >> (4 * (r % 4))[None, None, :]) & (0x00030003 << (2 * (r // 4)))[None, None, :]) | magic
@@ -215,21 +223,32 @@ def _tile_keys(p_row, start, N, filled, spn, POOL: tl.constexpr, BLOCK_L: tl.con
 
 @triton.jit
 def _scan_step(
-    q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled, width,
-    scl, scw, srl, srm, spn, sol,
+    q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, words, sc, z, live_c, start, STEP, N, filled,
+    width, scl, scw, srl, srm, spn, sol,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, POOL: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
-    VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
+    VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    """Score and store the tile at `start` (its slots, scales and zeros loaded already); returns the
-    next tile's, loaded ahead of its use."""
-    keys_next, live_next = _tile_keys(p_row, start + STEP, N, filled, spn, POOL, BLOCK_L)
-    sc_next, z_next = _int2_scales(r_row, keys_next, live_next, srl, srm, M, M_PAD)
-    score = _int2_scores_tile(q_bd, qsum, qmag, magic, c_row, sc, z, keys, live, scl, scw,
+    """Score and store the tile at `start`; return the next step's state, loaded ahead of its use.
+    The state: slots `keys` / `live`, scales and zeros `sc`, `z`, liveness `live_c` of the tile to
+    score. With AHEAD also its codes `words`, while `keys` / `live` are already the tile after it:
+    no load of a step then waits on another (a pool's slots -> that tile's codes and params)."""
+    if AHEAD:
+        keys_next, live_next = _tile_keys(p_row, start + 2 * STEP, N, filled, spn, POOL, BLOCK_L)
+        words_next = _int2_words(c_row, keys, live, scl, scw, D)
+        sc_next, z_next = _int2_scales(r_row, keys, live, srl, srm, M, M_PAD)
+        live_c_next = live
+    else:
+        keys_next, live_next = _tile_keys(p_row, start + STEP, N, filled, spn, POOL, BLOCK_L)
+        sc_next, z_next = _int2_scales(r_row, keys_next, live_next, srl, srm, M, M_PAD)
+        words_next = words  # unused
+        words = _int2_words(c_row, keys, live, scl, scw, D)
+        live_c_next = live_next
+    score = _int2_scores_tile(q_bd, qsum, qmag, magic, words, sc, z, live_c,
                               G, G_PAD, D, M_PAD, BLOCK_L, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
     offs = start + tl.arange(0, BLOCK_L)
     tl.store(o_row + offs.to(tl.int64) * sol, score, mask=offs < width)
-    return keys_next, live_next, sc_next, z_next
+    return keys_next, live_next, words_next, sc_next, z_next, live_c_next
 
 
 @triton.jit
@@ -240,7 +259,7 @@ def _int2_scan(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, HAS_POS: tl.constexpr, POOL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     OP_DTYPE: tl.constexpr, VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr,
-    USE_FOR: tl.constexpr, PACKED: tl.constexpr,
+    USE_FOR: tl.constexpr, PACKED: tl.constexpr, AHEAD: tl.constexpr,
 ):
     """Both scans' body: over the cache's L slots (a proposal), or over the N entries of a pool of
     slots (POOL, a refined layer: the scores of entry n at out[.., n])."""
@@ -275,30 +294,36 @@ def _int2_scan(
     p_row = pool_ptr + b * spb + h * sph
     # A proposal scores the tiles holding written keys, then marks the unwritten rest (-inf, never
     # read): no branch in the scoring loop, so its loads are software-pipelined. A pool's entries
-    # are all scored (empty ones -inf): its tile's slots, scales and zeros are loaded a tile ahead.
+    # are all scored (empty ones -inf). The first tile's state is loaded here (_scan_step).
     STEP = PROGS * BLOCK_L
     first = pid * BLOCK_L
     stop = N if POOL else filled  # the scoring loop's end
     width = N if POOL else L  # the output row's
     rest = first + tl.cdiv(tl.maximum(stop - first, 0), STEP) * STEP
     keys, live = _tile_keys(p_row, first, N, filled, spn, POOL, BLOCK_L)
-    sc, z = _int2_scales(r_row, keys, live, srl, srm, M, M_PAD)  # a tile ahead
+    sc, z = _int2_scales(r_row, keys, live, srl, srm, M, M_PAD)
+    live_c = live
+    if AHEAD:
+        words = _int2_words(c_row, keys, live, scl, scw, D)
+        keys, live = _tile_keys(p_row, first + STEP, N, filled, spn, POOL, BLOCK_L)
+    else:
+        words = tl.zeros([BLOCK_L, D // 16], tl.int32)  # unused
     if USE_FOR:
         for start in tl.range(first, stop, STEP):  # grid-stride
-            keys, live, sc, z = _scan_step(
-                q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
-                width, scl, scw, srl, srm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
-                OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
+            keys, live, words, sc, z, live_c = _scan_step(
+                q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, words, sc, z, live_c, start, STEP,
+                N, filled, width, scl, scw, srl, srm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL,
+                DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF, AHEAD)
         if not POOL:
             for start in tl.range(rest, L, STEP):
                 _unwritten_tile(o_row, start, L, sol, BLOCK_L)
     else:
         start = first
         while start < stop:
-            keys, live, sc, z = _scan_step(
-                q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, sc, z, start, STEP, N, filled,
-                width, scl, scw, srl, srm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL, DOT_PRECISION,
-                OP_DTYPE, VARIANT, MAGIC_VALUE, HALF)
+            keys, live, words, sc, z, live_c = _scan_step(
+                q_bd, qsum, qmag, magic, c_row, r_row, o_row, p_row, keys, live, words, sc, z, live_c, start, STEP,
+                N, filled, width, scl, scw, srl, srm, spn, sol, G, G_PAD, D, M, M_PAD, BLOCK_L, POOL,
+                DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF, AHEAD)
             start += STEP
         if not POOL:
             start = rest
@@ -332,11 +357,12 @@ def _int2_scores_kernel(
     HALF: tl.constexpr,  # VARIANT 2, 3: that 16-bit float type
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
     PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
+    AHEAD: tl.constexpr,  # codes loaded a tile ahead by hand (_scan_step), not by the pipeliner
 ):
     _int2_scan(q_ptr, codes_ptr, params_ptr, tpos_ptr, tpos_ptr, out_ptr, Hkv, L, L, PROGS, magic,
                sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, 0, 0, 0, sob, soh, sol,
                G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, False, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
-               USE_FOR, PACKED)
+               USE_FOR, PACKED, AHEAD)
 
 
 @triton.jit
@@ -351,12 +377,12 @@ def _int2_pool_scores_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_L: tl.constexpr, HAS_POS: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
     VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr, USE_FOR: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, AHEAD: tl.constexpr,
 ):
     _int2_scan(q_ptr, codes_ptr, params_ptr, tpos_ptr, pool_ptr, out_ptr, Hkv, L, N, PROGS, magic,
                sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, spb, sph, spn, sob, soh, sol,
                G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, True, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
-               USE_FOR, PACKED)
+               USE_FOR, PACKED, AHEAD)
 
 
 _OP_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -386,10 +412,16 @@ def int2_scores_supported(q, codes, params, pos=None, positions=None) -> bool:
     )
 
 
-def int2_scores(q, codes, params, pos=None, positions=None, *, block_l=INT2_BLOCK_L, warps=4,
-                stages=STREAM_STAGES, waves=STREAM_WAVES, variant=None) -> torch.Tensor:
+def int2_scores(q, codes, params, pos=None, positions=None, *, block_l=None, warps=4,
+                stages=None, waves=None, variant=None, ahead=None) -> torch.Tensor:
     """max over the group of <q, dequantised k>: [B,Hkv,L] float32, or [B,Hkv,N] at the slots
-    `positions` [B,Hkv,N] (reference.int2_scores)."""
+    `positions` [B,Hkv,N] (reference.int2_scores). Unset, the launch knobs (ahead: codes loaded a
+    tile ahead by hand) are the cache scan's over the cache and the POOL_ constants over a pool."""
+    pool = positions is not None
+    block_l = block_l or (POOL_BLOCK_L if pool else INT2_BLOCK_L)
+    stages = stages or (POOL_STAGES if pool else STREAM_STAGES)
+    waves = waves or (POOL_WAVES if pool else STREAM_WAVES)
+    ahead = (POOL_CODES_AHEAD and pool) if ahead is None else ahead
     B, Hq, _, D = q.shape
     Hkv, L = codes.shape[1], codes.shape[2]
     N = L if positions is None else positions.shape[-1]
@@ -427,6 +459,7 @@ def int2_scores(q, codes, params, pos=None, positions=None, *, block_l=INT2_BLOC
         HALF=_OP_DTYPE[half or torch.float16],
         USE_FOR=not interpreting(),
         PACKED=codes.stride()[2:] == (D // 16, 1) and params.stride()[2:] == (2 * M, 1),
+        AHEAD=bool(ahead),
         num_warps=warps, num_stages=stages,
     )
     return out
