@@ -231,6 +231,8 @@ def main() -> None:
     p.add_argument("--ttft", default="", help="contexts whose time to first token to measure (e.g. 32768,65536,131072)")
     p.add_argument("--ttft-batches", default="1", help="batches of the time-to-first-token runs")
     p.add_argument("--repeat", type=int, default=1, help="time each decode configuration this many times (median kept)")
+    p.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                   help="launch constants of sparse_fx.lowering.kernels before compiling (as kernel_step --set)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the rows of these results into --out/NAME.json, .md, .png")
     p.add_argument("--name", default=None, help="file stem of --merge's result (default decode-<date>)")
     benchlib.add_out(p)
@@ -241,6 +243,8 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_speed.py needs a CUDA GPU")
+    for knob in args.set:
+        benchlib.set_kernel_constant(knob)
     torch._dynamo.config.recompile_limit = 64  # one compiled graph per (method, batch, context)
     from transformers import AttentionInterface
 

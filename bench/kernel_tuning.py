@@ -35,8 +35,8 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="two configurations per kernel")
     p.add_argument("--baseline", default=None, help="folder holding an older lowering package to time beside")
-    p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "mass", "int2", "attention"],
-                   help="sweep only these kernels (int2: the proposal's scan and a refined layer's pool scan)")
+    p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "mass", "int2", "pool", "attention"],
+                   help="sweep only these kernels (int2: the proposal's scan; pool: a refined layer's INT2 pool scan)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1, tiny shapes, one configuration a sweep, no timing: the script's paths")
     benchlib.add_out(p)
@@ -209,7 +209,7 @@ def main() -> None:
             profile["hash_select"] = benchlib.kernel_times(lambda: S.hash_select(st.qlog[0], st.sig[0], st.pos, BUDGET, SINK, LOCAL,
                                                                         st.mask, None, **cfg))
         pool_n = RHO * BUDGET
-        if want("select") or want("mass") or want("int2"):
+        if want("select") or want("mass") or want("int2") or want("pool"):
             scores = [I.int2_scores(st.q[i], *st.int2[i], st.pos) for i in range(nl)]
         if want("select") or want("mass"):
             pools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:].contiguous()
@@ -266,9 +266,9 @@ def main() -> None:
                 # the older lowering's separate scale and zero tensors (before the one params record)
                 split = [(c, *(t.contiguous() for t in ref.int2_split(prm))) for c, prm in st.int2]
                 best["int2_scores_old"] = dict(ms=benchlib.time_graph(per_layer(lambda i: old.int2_scores(st.q[i], *split[i]))) / nl)
-            # a refined layer's scan of its pool (the proposal's list past the window, a view, as the step hands it on)
+        if want("pool"):  # a refined layer's scan of its pool (the proposal's list past the window, a view, as handed on)
             ipools = [S.select_topk(scores[i], st.pos, pool_n, SINK, LOCAL, st.mask)[:, :, SINK + LOCAL:] for i in range(nl)]
-            space = dict(block_l=[64, 128, 256], ahead=[False, True], waves=[2, 4, 8], stages=[2, 3])
+            space = dict(block_l=[64, 128, 256], ahead=[False, True], waves=[1, 2, 4, 8], stages=[2, 3])
             record("int2_pool", sweep("int2_scores pool", space, lambda **c: per_layer(
                 lambda i: I.int2_scores(st.q[i], *st.int2[i], st.pos, ipools[i], **c)),
                 R * pool_n * (4 + D // 4 + 4 * (D // 32) + 4) * nl, copy, res["rows"], shape))
