@@ -38,7 +38,8 @@ def parse_args():
     p.add_argument("--only", nargs="+", default=None, choices=["hash", "select", "mass", "int2", "pool", "attention"],
                    help="sweep only these kernels (int2: the proposal's scan; pool: a refined layer's INT2 pool scan)")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU, TRITON_INTERPRET=1, tiny shapes, one configuration a sweep, no timing: the script's paths")
+                   help="CPU, TRITON_INTERPRET=1, tiny shapes, one configuration a sweep, no timing: the script's paths "
+                   "(written only with an explicit --out)")
     benchlib.add_out(p)
     return p.parse_args()
 
@@ -52,6 +53,8 @@ if ARGS.smoke:
     benchlib.time_graph = lambda fn, **_: (fn(), 1.0)[1]  # run once, time nothing
     benchlib.kernel_times = lambda fn, reps=5: {}
     benchlib.bandwidth_gbps = lambda: dict(copy=1.0, read=1.0)
+    if not any(a == "--out" or a.startswith("--out=") for a in sys.argv[1:]):
+        benchlib.save = lambda *_, **__: []  # untimed numbers stay out of bench/results unless asked for
 
 import torch  # noqa: E402
 from decode_layers import Layers  # noqa: E402  (bench/decode_layers.py)

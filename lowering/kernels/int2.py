@@ -27,10 +27,13 @@ INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
 # wins by 5-9% at 4M slots and 9% at 16M, loses by 7-22% at 1M and below.
 INT2_IN_PLACE_MIN_KEYS = 1 << 22
 # A refined layer's pool scan: its tiles' codes loaded a tile ahead by hand and its slots two (no
-# load of a step then waits on another), its keys a step, programs per SM and pipeline depth.
-# Untimed: the cache scan's until an H200 measures them (bench/NOTES.md, the pool scan in flight).
-POOL_CODES_AHEAD = False
-POOL_BLOCK_L, POOL_WAVES, POOL_STAGES = INT2_BLOCK_L, STREAM_WAVES, STREAM_STAGES
+# load of a step then waits on another: the codes' and params' addresses come from the slots), its
+# keys a step, programs per SM and pipeline depth. H200, results/kernel-tuning-2026-12-03-pool.json
+# (48 configurations x 6 shapes, the best geometric mean): against the cache scan's knobs 11% faster
+# at 128K batch 16 (94.1 -> 84.1 us), 14-17% at batch 1, 3% at 32K batch 16; slower at batch 4
+# (2% at 128K, 12% at 32K).
+POOL_CODES_AHEAD = True
+POOL_BLOCK_L, POOL_WAVES, POOL_STAGES = 64, 4, 2
 
 
 # ---------------------------------------------------------------------------------- write
