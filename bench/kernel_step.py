@@ -30,7 +30,6 @@ adaptive budget has something to trim (3.25: 0.95 of a random 16K pool's mass in
     python bench/kernel_step.py --contexts 32768 --batches 1
     python bench/kernel_step.py --contexts 131072 --plans prism-g4 prism-g4-mass0.95 --sharpness 3.25
     python bench/kernel_step.py --smoke                # CPU, TRITON_INTERPRET=1, tiny shapes, prints only
-    python bench/kernel_step.py --fuse --contexts 131072 --batches 1 4   # the selections' passes in one launch
 """
 
 from __future__ import annotations
@@ -64,11 +63,9 @@ def parse_args(argv=None):
                    choices=["hash", "prism-g4", "prism-g4-hash", "prism-g4-int2refine", "prism-g4-mass0.95"])
     p.add_argument("--sharpness", type=float, default=1.0, help="query scale: the spread of the attention logits")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes; prints only")
-    p.add_argument("--fuse", action="store_true", help="float selections' passes in one launch where a row's programs "
-                   "all fit at once (sparse_fx.lowering.kernels.select.FUSE_PASSES)")
     p.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
                    help="launch constants of sparse_fx.lowering.kernels, read at launch: e.g. select.WIDE_CAP=16 "
-                   "(lets batch 1's 128K proposal fuse), int2.POOL_CODES_AHEAD=1 int2.POOL_BLOCK_L=256")
+                   "int2.POOL_CODES_AHEAD=0 int2.POOL_BLOCK_L=128")
     benchlib.add_out(p)
     return p.parse_args(argv)
 
@@ -82,9 +79,7 @@ import torch  # noqa: E402
 from decode_layers import OPS, Layers, int2_key_bytes, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
-from sparse_fx.lowering.kernels import select as _select  # noqa: E402
 
-_select.FUSE_PASSES = ARGS.fuse
 for _knob in ARGS.set:
     benchlib.set_kernel_constant(_knob)
 

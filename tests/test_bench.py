@@ -15,6 +15,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 # `python bench/<script>.py ...` and `python -m sparse_fx <command> ...`, also broken over a line.
@@ -63,76 +65,148 @@ def test_every_command_answers_help():
     assert not failed, failed
 
 
-def test_kernel_step_smoke_runs_every_plans_step_through_the_kernels():
+# The slow commands below are a process each (decode_tp two), nearly all of it one busy core (the
+# Triton interpreter, Dynamo, Inductor, matplotlib): run one after another they left CI's second
+# core idle for about 100 s. `_started` starts those of the tests this session runs, two at a time,
+# when the first of them asks; each test (`ran`) waits for its own command and checks what it
+# printed and wrote, as it did when it ran the command itself. Each command gets an empty folder `out`.
+def kernel_step(out):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "bench/kernel_step.py", "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def kernel_tuning(out):
+    base = out / "base"
+    shutil.copytree(ROOT / "lowering", base / "oldlowering", ignore=shutil.ignore_patterns("__pycache__"))
+    (base / "oldlowering" / "__init__.py").write_text("")  # kernels only: the ops are registered once
+    return subprocess.run([sys.executable, "bench/kernel_tuning.py", "--smoke", "--baseline", str(base), "--out", str(out)],
+                          cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+
+
+def compile_time(out):
+    return subprocess.run([sys.executable, "bench/compile_time.py", "--plans", "hash", "--layers", "1", "--small",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def bandwidth(out):
+    code = ("import torch, benchlib; x = torch.randn(70001); y = torch.full_like(x, float('nan')); part = torch.empty(5); "
+            "benchlib.stream(x, part, y, block=1024); assert torch.equal(y, x); "
+            "torch.testing.assert_close(part.sum(), x.sum(), rtol=1e-5, atol=1e-3); "
+            "benchlib.stream(x, part, block=1024); torch.testing.assert_close(part.sum(), x.sum(), rtol=1e-5, atol=1e-3); print('ok')")
+    return subprocess.run([sys.executable, "-c", code], cwd=BENCH, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=120)
+
+
+def decode_tp(out):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "bench/decode_tp.py", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def prism_pools(out):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "bench/prism_pools.py", "--context", "1024", "--depths", "10", "--keys", "1",
+                           "--sparsity", "8", "--rho", "2,8", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+AGREEMENT_RUNS = [ROOT / "bench/results/agreement-gpu-adaptive.json", ROOT / "bench/results/agreement-gpu-adaptive-oracle.json"]
+
+
+def agreement_merge(out):
+    merged = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", *map(str, AGREEMENT_RUNS), "--tag", "m",
+                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    kept = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", *map(str, AGREEMENT_RUNS), "--plans",
+                           "prism-g4,oracle-mass0.95", "--tag", "k", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    return merged, kept
+
+
+SLOW = {  # test -> its command, in the order the tests run
+    "test_kernel_step_smoke_runs_every_plans_step_through_the_kernels": kernel_step,
+    "test_kernel_tuning_smoke_runs_every_sweep_and_check": kernel_tuning,
+    "test_compile_time_measures_a_cold_compile_in_a_fresh_process": compile_time,
+    "test_the_bandwidth_reference_kernel_reads_and_copies_everything": bandwidth,
+    "test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks": decode_tp,
+    "test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass": prism_pools,
+    "test_teacher_agreement_merges_runs_cell_by_cell": agreement_merge,
+}
+
+
+@pytest.fixture(scope="module")
+def _started(request, tmp_path_factory):
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    pool = ThreadPoolExecutor(max_workers=2)
+    started = {}
+    for name, command in SLOW.items():
+        if name in selected:
+            out = tmp_path_factory.mktemp(command.__name__)
+            started[name] = (pool.submit(command, out), out)
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def ran(request, _started):
+    """(what this test's command returned, the folder it wrote to)"""
+    future, out = _started[request.node.originalname]
+    return future.result(), out
+
+
+def test_kernel_step_smoke_runs_every_plans_step_through_the_kernels(ran):
     """The kernel benches' shared inputs (bench/decode_layers.py) and both plans' steps, on tiny
     shapes under the Triton interpreter: the GPU run is the same code at full size."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "bench/kernel_step.py", "--smoke"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r, _ = ran
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-2000:]
 
 
-def test_kernel_tuning_smoke_runs_every_sweep_and_check(tmp_path):
+def test_kernel_tuning_smoke_runs_every_sweep_and_check(ran):
     """bench/kernel_tuning.py --smoke: its checks (kernels equal the reference) and one configuration
     of every sweep, against an older lowering package too, on CPU tensors under the interpreter."""
-    base = tmp_path / "base"
-    shutil.copytree(ROOT / "lowering", base / "oldlowering", ignore=shutil.ignore_patterns("__pycache__"))
-    (base / "oldlowering" / "__init__.py").write_text("")  # kernels only: the ops are registered once
-    r = subprocess.run([sys.executable, "bench/kernel_tuning.py", "--smoke", "--baseline", str(base), "--out", str(tmp_path)],
-                       cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    r, out = ran
     assert r.returncode == 0, r.stderr[-3000:]
     checks = [line for line in r.stdout.splitlines() if line.startswith("check ")]
     assert len(checks) >= 12 and not any("MISMATCH" in c or "WRONG" in c for c in checks), checks
-    best = json.loads(next(tmp_path.glob("kernel-tuning-*.json")).read_text())["best"][0]
+    best = json.loads(next(out.glob("kernel-tuning-*.json")).read_text())["best"][0]
     assert {"mass_select_1.0", "mass_select_0.95", "select_nested_row", "select_nested_passes", "attention",
-            "mass_select_old", "select_nested_old"} <= set(best)
+            "mass_select_old", "select_nested_old", "int2_scores", "int2_pool"} <= set(best)
 
 
-def test_compile_time_measures_a_cold_compile_in_a_fresh_process(tmp_path):
+def test_compile_time_measures_a_cold_compile_in_a_fresh_process(ran):
     """bench/compile_time.py on a narrow one-layer model on the CPU: the worker runs in a child
     process with empty caches, and its row carries the phases and Inductor's counts."""
-    r = subprocess.run([sys.executable, "bench/compile_time.py", "--plans", "hash", "--layers", "1", "--small",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r, out = ran
     assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(next(tmp_path.glob("compile-*.json")).read_text())["rows"]
+    (row,) = json.loads(next(out.glob("compile-*.json")).read_text())["rows"]
     assert "error" not in row, row
     assert row["plan"] == "hash" and row["compile_s"] > 0 and row["scheduler_nodes"] >= row["fused_nodes"] > 0
     assert {"bytecode_tracing", "Scheduler.__init__"} <= set(row["phases_s"]), row["phases_s"]
 
 
-def test_the_bandwidth_reference_kernel_reads_and_copies_everything():
+def test_the_bandwidth_reference_kernel_reads_and_copies_everything(ran):
     """benchlib.stream, which the rooflines' copy and read ceilings time, on CPU tensors under the
     interpreter: a length that is no multiple of the grid's stride, every element copied and summed."""
-    code = ("import torch, benchlib; x = torch.randn(70001); y = torch.full_like(x, float('nan')); part = torch.empty(5); "
-            "benchlib.stream(x, part, y, block=1024); assert torch.equal(y, x); "
-            "torch.testing.assert_close(part.sum(), x.sum(), rtol=1e-5, atol=1e-3); "
-            "benchlib.stream(x, part, block=1024); torch.testing.assert_close(part.sum(), x.sum(), rtol=1e-5, atol=1e-3); print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=BENCH, env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=120)
+    r, _ = ran
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-def test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks():
+def test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks(ran):
     """bench/decode_tp.py on two CPU processes (gloo, a tiny model, eager backend): loading the
     sharded checkpoint, per-rank caches and the sparse plans, as the GPU run does at full size."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "bench/decode_tp.py", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r, _ = ran
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [row["method"] for row in rows] == ["dense", "hash", "prism-g4"]
     assert all(row["shard"] == "Shard(rank=0, size=2)" for row in rows[1:])
 
 
-def test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass(tmp_path):
+def test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass(ran):
     """bench/prism_pools.py on the real model at 1K: shares lie in (0, 1], and a pool as large as the
     candidates (rho 8 x budget 128 >= 768) with exact proposal scores keeps every layer's own choice."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "bench/prism_pools.py", "--context", "1024", "--depths", "10", "--keys", "1",
-                        "--sparsity", "8", "--rho", "2,8", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r, out = ran
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "prism-pools-1024.json").read_text())["rows"]
+    rows = json.loads((out / "prism-pools-1024.json").read_text())["rows"]
     assert len(rows) == 6 and all(0 < x["mass_vs_oracle"] <= 1 + 1e-9 and 0 < x["needle_mass_kept"] <= 1 + 1e-9 for x in rows)
     covering = next(x for x in rows if x["proposal"] == "exact" and x["rho"] == 8)
     assert all(abs(v - 1) < 1e-6 for v in covering["per_layer"]), covering["per_layer"]
@@ -140,16 +214,15 @@ def test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass(tmp_path)
     assert narrow["mass_vs_oracle"] < covering["mass_vs_oracle"]
 
 
-def test_teacher_agreement_merges_runs_cell_by_cell(tmp_path):
+def test_teacher_agreement_merges_runs_cell_by_cell(ran):
     """--merge of two committed runs (the same cells, different plans): each cell holds both runs'
     plans, a plan both measured keeps the first run's row, the markdown names both commands, and the
     adaptive plans get the agreement-against-tokens figure; --plans keeps only those rows."""
-    runs = [ROOT / "bench/results/agreement-gpu-adaptive.json", ROOT / "bench/results/agreement-gpu-adaptive-oracle.json"]
-    r = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", *map(str, runs), "--tag", "m",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    (r, r_kept), out = ran
+    runs = AGREEMENT_RUNS
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = (json.loads(p.read_text()) for p in runs)
-    merged = json.loads((tmp_path / "agreement-m.json").read_text())
+    merged = json.loads((out / "agreement-m.json").read_text())
     cells = {(c["context"], c["sparsity"]): c for c in merged["runs"]}
     assert set(cells) == {(c["context"], c["sparsity"]) for c in a["runs"] + b["runs"]}
     for run in a["runs"] + b["runs"]:
@@ -158,14 +231,11 @@ def test_teacher_agreement_merges_runs_cell_by_cell(tmp_path):
     for key, cell in cells.items():
         if key in first:
             assert cell["plans"]["oracle"] == first[key]["plans"]["oracle"]
-    md = (tmp_path / "agreement-m.md").read_text()
+    md = (out / "agreement-m.md").read_text()
     assert all(m["command"] in md for m in (a["meta"], b["meta"])) and "oracle-mass0.95" in md
-    assert (tmp_path / "agreement-m-tradeoff.png").stat().st_size > 10_000
-    r = subprocess.run([sys.executable, "bench/teacher_agreement.py", "--merge", *map(str, runs), "--plans",
-                        "prism-g4,oracle-mass0.95", "--tag", "k", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    kept = json.loads((tmp_path / "agreement-k.json").read_text())["runs"]
+    assert (out / "agreement-m-tradeoff.png").stat().st_size > 10_000
+    assert r_kept.returncode == 0, r_kept.stderr[-2000:]
+    kept = json.loads((out / "agreement-k.json").read_text())["runs"]
     assert {name for c in kept for name in c["plans"]} == {"prism-g4", "oracle-mass0.95"}
     assert {name for c in kept for name in c.get("passkey", {})} == {"dense", "prism-g4"}  # the first run's too
     # rows keep their share of the oracle's agreement when the oracle row itself is not kept

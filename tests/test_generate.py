@@ -78,8 +78,13 @@ def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(plan):
 def test_first_tokens_do_not_depend_on_max_new_tokens(plan):
     """Ties at the top-k cut are broken by candidate position, whatever the cache length."""
     model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
-    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(3))
-    runs = [generate(model, ids, n)[0, 300:] for n in (20, 21, 280)]
+    # A 490-token prompt: 20 and 21 new tokens decode on a cache of 512 slots (generate() rounds the
+    # length up, `cache_bucket`), 30 on one of 768. (A 300-token prompt needed 280 new tokens to
+    # reach 768 slots: 250 decode steps more per plan.)
+    ids = torch.randint(1, 128, (1, 490), generator=torch.Generator().manual_seed(3))
+    outs = [generate(model, ids, n, return_dict_in_generate=True) for n in (20, 21, 30)]
+    assert [o.past_key_values.layers[0].keys.shape[2] for o in outs] == [512, 512, 768]
+    runs = [o.sequences[0, 490:] for o in outs]
     assert torch.equal(runs[0], runs[1][:20]) and torch.equal(runs[0], runs[2][:20])
 
 

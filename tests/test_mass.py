@@ -184,8 +184,7 @@ def test_one_candidate_the_cap_and_a_row_without_candidates():
     assert ref.select_topk(mass, torch.tensor([0]), 3, 0, 1, mass=0.5).tolist() == [[[0, -1, -1, -1]]]
 
 
-@pytest.mark.parametrize("fuse", [False, True])  # the selection's passes in one kernel, or a launch each
-def test_mass_select_kernel_trims_the_pool_as_the_reference(fuse):
+def test_mass_select_kernel_trims_the_pool_as_the_reference():
     """The fused path of a refined layer (logits, mass keys, select, trim) against the reference."""
     g = gen(11)
     q, k = torch.randn(2, 8, 1, 64, generator=g) * 2, torch.randn(2, 2, 200, 64, generator=g)
@@ -196,7 +195,7 @@ def test_mass_select_kernel_trims_the_pool_as_the_reference(fuse):
         want = ref.mass_select(q, k, None, mask, positions, pos, 40, 2, 4, None, p)
         with poisoned():
             got = K.mass_select(*(t.to(DEV) for t in (q, k)), None, mask.to(DEV), positions.to(DEV), pos.to(DEV), 40, 2, 4,
-                                mass=p, block=64, waves=64, fuse=fuse).cpu()
+                                mass=p, block=64, waves=64).cpu()
         assert (got != SENTINEL).all(), "an output slot was never written"
         m = ref.mass_scores(q, k, None, mask, positions)
         ok = (got == want).all(-1) | near_goal(m, want, p, pos, 2, 4, mask, positions, None)

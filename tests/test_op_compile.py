@@ -20,17 +20,42 @@ from sparse_fx.lowering import reference as ref
 NVIDIA_TOOLS = (pathlib.Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists()
 needs_tools = pytest.mark.skipif(not NVIDIA_TOOLS, reason="triton without the NVIDIA backend tools")
 WRITABLE = {"out_ptr", "inner_ptr", "keys_ptr", "cum_ptr", "ckey_ptr", "tot_ptr", "scr_ptr", "pm_ptr", "pl_ptr", "pacc_ptr", "codes_ptr",
-            "params_ptr", "bar_ptr"}  # outputs, the caches an op writes, and scratch it allocates
+            "params_ptr"}  # outputs, the caches an op writes, and scratch it allocates
 
 
 def _compile_check(*flags: str) -> str:
     """Run lowering/kernels/compile_check.py in a process without TRITON_INTERPRET (the kernels
     must be JITFunctions to compile)."""
+    return _compile_checks(flags)[0]
+
+
+# Every other scenario of compile_check, in a process of its own: its report's lines are those of
+# the whole run (one line a launch, each scenario's launches in one part), in another order.
+_PART = ("import sys; from sparse_fx.lowering.kernels import compile_check as cc; part, parts = map(int, sys.argv[1:3]); "
+         "every = cc._scenarios; cc._scenarios = lambda: (s for i, s in enumerate(every()) if i % parts == part); "
+         "sys.argv[1:] = sys.argv[3:]; cc.main()")
+
+
+def _compile_checks(*runs: tuple, parts: int = 1) -> list[str]:
+    """compile_check's reports for each tuple of flags in `runs`, the runs (and, with parts > 1,
+    that many parts of each run, split by scenario) in processes started together: each is one
+    core's work (--loops is a cuobjdump -sass per launch), so two cores take half the time."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "sparse_fx.lowering.kernels.compile_check", *flags], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run.stdout
+    argvs = [[sys.executable, "-m", "sparse_fx.lowering.kernels.compile_check", *flags] if parts == 1 else
+             [sys.executable, "-c", _PART, str(part), str(parts), *flags] for flags in runs for part in range(parts)]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argvs]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-4000:]
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return ["".join(outs[i * parts:(i + 1) * parts]) for i in range(len(runs))]
 
 
 # Stack frames (spilled registers) measured on paths off the Llama-shaped decode step: the fp32-query
@@ -55,8 +80,8 @@ def test_int2_operands_built_in_place_take_fewer_instructions_a_tile():
     """compile_check --loops counts each launch's longest loop in SASS; the INT2 scan's variant
     that builds MMA operand registers in place (3) must stay cheaper than the one that joins halves
     back into channel order (2), or it has lost its reason to exist."""
-    loops = dict(((s.strip(), k), int(n)) for s, k, n in
-                 re.findall(r"^(.+?)\s{2,}(_\w+)\s+loop\s+(\d+)", _compile_check("--loops"), re.M))
+    (report,) = _compile_checks(("--loops",), parts=2)
+    loops = dict(((s.strip(), k), int(n)) for s, k, n in re.findall(r"^(.+?)\s{2,}(_\w+)\s+loop\s+(\d+)", report, re.M))
     assert len(loops) >= 30, loops  # kernels without a loop count 0
     v2, v3 = loops[("int2_scores v2", "_int2_scores_kernel")], loops[("int2_scores v3", "_int2_scores_kernel")]
     assert v3 < 0.9 * v2, (v2, v3)
@@ -66,7 +91,7 @@ def test_int2_operands_built_in_place_take_fewer_instructions_a_tile():
 def test_inductor_sees_each_kernel_write_only_outputs_and_scratch():
     """A graph input a kernel seems to write (through a helper call on the path to a store
     address) is functionalised as mutated: copied back, or CUDA graphs skip the step."""
-    rows = re.findall(r"^(.+?)\s{2,}(_\w+)\s+writes ?(.*)$", _compile_check("--writes"), re.M)
+    rows = re.findall(r"^(.+?)\s{2,}(_\w+)\s+writes ?(.*)$", _compile_checks(("--writes",), parts=2)[0], re.M)
     assert len(rows) >= 30
     for scenario, kernel, written in rows:
         extra = set(written.split()) - WRITABLE

@@ -80,8 +80,7 @@ def test_mass_scores_sum_per_head_softmax_over_readable_candidates():
 # ------------------------------------------------------------------------------ mass_select
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("budget", [20, 200])  # ties at the edge of a budget; a budget over the whole pool
-@pytest.mark.parametrize("fuse", [False, True])  # the selection's passes in one kernel, or a launch each
-def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget, fuse):
+def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget):
     """A refined layer's fused selection equals select_topk over mass_scores' output, kernels and
     reference alike: its key pass computes each candidate's mass exactly as mass_scores would."""
     g = gen(60 + len(mask_kind) + budget)
@@ -94,7 +93,7 @@ def test_mass_select_ranks_the_mass_it_never_writes(mask_kind, budget, fuse):
     positions = positions.to(DEV)
     pos, start = torch.tensor([279, 280], device=DEV), torch.tensor([0, 3], dtype=torch.int32, device=DEV)
     with poisoned():
-        got = K.mass_select(q, k, 0.3, mask, positions, pos, budget, 4, 8, start, block=64, waves=64, fuse=fuse).cpu()
+        got = K.mass_select(q, k, 0.3, mask, positions, pos, budget, 4, 8, start, block=64, waves=64).cpu()
     assert (got != SENTINEL).all(), "an output slot was never written"
     mass = K.mass_scores(q, k, 0.3, mask, positions)
     assert torch.equal(got, K.select_topk(mass, pos, budget, 4, 8, mask, positions, start).cpu())

@@ -131,8 +131,28 @@ POOLED = ["prism-g4-hash", "prism-g4-mass0.9"]
 ONE_PASS = [(plan, 4) for plan in PLANS[1:]] + [(plan, 8) for plan in POOLED]
 
 
+@pytest.fixture(scope="module")
+def one_pass(smollm2):
+    """sparsity -> bench/teacher_agreement.py's one-pass rows of the ONE_PASS plans at it: one evaluate
+    per sparsity, its plans sharing each window's dense forward (a plan's row is the same alone or
+    with others: each has its own Selector, reset before its forward)."""
+    agreement = bench_script("teacher_agreement")
+    model, tok = smollm2
+    s = settings()
+    rows = {}
+
+    def at(sparsity: int) -> dict:
+        if sparsity not in rows:
+            plans = {plan: sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local) for plan, sp in ONE_PASS if sp == sparsity}
+            rows[sparsity] = agreement.evaluate(model, tok, plans, N, sparsity, windows=s.windows, span=s.decode_tokens,
+                                                seed=s.seed)["plans"]
+        return rows[sparsity]
+
+    return at
+
+
 @pytest.mark.parametrize("plan, sparsity", ONE_PASS)
-def test_one_pass_teacher_forcing_equals_the_harness(smollm2, request, plan, sparsity):
+def test_one_pass_teacher_forcing_equals_the_harness(one_pass, request, plan, sparsity):
     """bench/teacher_agreement.py scores many tokens in one masked forward pass instead of decoding them:
     on the harness's windows and tokens it must give the harness's agreement, CE delta and tokens kept.
 
@@ -147,11 +167,8 @@ def test_one_pass_teacher_forcing_equals_the_harness(smollm2, request, plan, spa
     sink or local token fewer, a pool 3 larger (prism-g4, 1/8), mass 0.905 for 0.9: 8e-4 to 5e-3 (the
     earlier 2e-3 let two of those pass), so 4e-4 keeps a factor 2 to the smallest of them."""
     rows = request.getfixturevalue("reduced")[0] if sparsity == 4 else request.getfixturevalue("pooled")
-    agreement = bench_script("teacher_agreement")
-    model, tok = smollm2
     s = settings()
-    plans = {plan: sparse_fx.Plan.parse(plan, sink=s.sink, local=s.local)}
-    ours = agreement.evaluate(model, tok, plans, N, sparsity, windows=s.windows, span=s.decode_tokens, seed=s.seed)["plans"][plan]
+    ours = one_pass(sparsity)[plan]
     theirs = rows[(plan, sparsity)]
     assert sum(ours["per_window"]["agreement"]) / s.windows == pytest.approx(theirs["teacher"]["agreement"], abs=1e-9)
     assert ours["ce_delta"]["mean"] == pytest.approx(theirs["teacher"]["ce_delta"], abs=4e-4)

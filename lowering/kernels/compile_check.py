@@ -156,13 +156,6 @@ def _scenarios():
                                                         pos, 512, 128, 128, mask_f, torch.zeros(B, dtype=torch.int32))
     yield "select_topk pool", lambda: K.select_topk(torch.zeros(B, Hkv, 4096, dtype=torch.float32), pos, 1024, 128, 128,
                                                   mask_b, pool)
-    # the passes in one launch (fuse=True: one row of 4 programs fits the CPU's nominal 4 SMs)
-    yield "select_topk pool fused", lambda: K.select_topk(torch.zeros(B, 1, 4096, dtype=torch.float32), pos, 1024, 128, 128,
-                                                        mask_b[:, :1], pool[:, :1], cap=4, fuse=True)
-    yield "select_nested fused", lambda: K.select_topk(torch.zeros(B, 1, L, dtype=torch.float32), pos, 1024, 128, 128,
-                                                     mask_b[:, :1], None, None, k_inner=256, cap=4, fuse=True)
-    yield "mass_select 16K trim fused", lambda: K.mass_select(q[:, :G], k[:, :1], None, mask_b[:, :1], pool16[:, :1], pos, 4096,
-                                                              128, 128, mass=0.95, cap=4, fuse=True)
     yield "attention bf16 split", lambda: K.sparse_decode_attention(q, k, k, idx, None, mask_f)
     yield "attention bf16 one split", lambda: K.sparse_decode_attention(q.expand(64, -1, -1, -1), k.expand(64, -1, -1, -1),
                                                                       k.expand(64, -1, -1, -1),

@@ -47,7 +47,7 @@ from ..reference import WORD_BITS
 from .mass import group_mass, mass_logits, mass_scores_supported, row_stats
 from .common import (
     FLOAT_DTYPES, PACKED_RUN, MaskView, count, counts_total, counts_zero, eligible, interpreting,
-    mask_readable, num_sms, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
+    mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
 )
 
 # `_row_select_kernel`, one program a row, walks its pool serially, so it pays only where rows alone
@@ -73,10 +73,6 @@ BLOCK = 2048  # candidates per step of every pass (all passes of one select cut 
 # 32K batch 1 (64 programs at WIDE_BLOCK) keeps BLOCK, 28% faster there.
 WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 32, 8
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
-# The float selections' passes in one launch (`_fused_select_kernel`) where all rows x programs fit
-# on the device at once. Off until timed on a GPU (bench/NOTES.md: predicted ~5 us less a refined
-# layer's selection at batch 1); `fuse=True` asks for it.
-FUSE_PASSES = False
 WAVES = 4
 HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
 SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3}
@@ -479,57 +475,6 @@ def _select_kernel(
             _pad(in_row, sik, need_in, K_IN)
 
 
-# ------------------------------------------------------------------------------ one launch at small batch
-@triton.jit
-def _row_barrier(bar_ptr, r, PROGS, phase: tl.constexpr):
-    """Wait until all PROGS programs of row r have arrived `phase` times (bar_ptr: a counter a row,
-    zeroed per launch): the CTA's stores first, release on arriving, acquire while spinning, so
-    what the row's other programs wrote before arriving is visible after."""
-    tl.debug_barrier()
-    seen = tl.atomic_add(bar_ptr + r, 1, sem="acq_rel", scope="gpu") + 1
-    while seen < PROGS * phase:
-        seen = tl.atomic_add(bar_ptr + r, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _fused_select_kernel(
-    scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr, pm_ptr, pl_ptr, tot_ptr,
-    out_ptr, inner_ptr, ckey_ptr, bar_ptr,
-    Hkv, N, L, sink, local, K, K_IN, min_half, PROGS, NSPLIT,
-    ssb, ssh, ssn, spb, sph, spn, smb, smh, sml, sob, soh, sok, sib, sih, sik,
-    BLOCK: tl.constexpr, P_PAD: tl.constexpr, LEVELS: tl.constexpr, LB: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    MASK_HEADS: tl.constexpr, KIND: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    TRIM: tl.constexpr, NESTED: tl.constexpr, USE_FOR: tl.constexpr,
-    PHASE: tl.constexpr,  # -1: every pass, a row barrier between them (all programs resident); else that pass
-                          # alone, one launch each (the interpreter runs programs one after another)
-):
-    """The key pass, the deeper levels and the select pass in one launch: at small batch each pass
-    is a few microseconds of work behind a launch and a tail, and a row's programs only need each
-    other's counts between passes."""
-    r = tl.program_id(1)
-    if PHASE <= 0:
-        _score_keys_kernel(scores_ptr, pos_ptr, tpos_ptr, start_ptr, mask_ptr, keys_ptr, cum_ptr, pm_ptr, pl_ptr, tot_ptr,
-                           Hkv, N, L, sink, local, min_half, PROGS, NSPLIT, ssb, ssh, ssn, spb, sph, spn, smb, smh, sml,
-                           BLOCK, LB, HAS_POS, HAS_START, HAS_MASK, MASK_BOOL, MASK_HEADS, KIND, G, G_PAD, S_PAD,
-                           TRIM, USE_FOR)
-    if PHASE < 0:
-        _row_barrier(bar_ptr, r, PROGS, 1)
-    for level in tl.static_range(1, LEVELS):
-        if PHASE < 0 or PHASE == level:
-            _hist_kernel(tpos_ptr, start_ptr, keys_ptr, cum_ptr, Hkv, N, sink, local, K, K_IN, PROGS,
-                         level, LEVELS * LB, LB, BLOCK, P_PAD, HAS_POS, HAS_START, NESTED, USE_FOR)
-        if PHASE < 0:
-            _row_barrier(bar_ptr, r, PROGS, 1 + level)
-    if PHASE < 0 or PHASE == LEVELS:
-        _select_kernel(tpos_ptr, start_ptr, pos_ptr, mask_ptr, keys_ptr, cum_ptr, out_ptr, inner_ptr, ckey_ptr,
-                       Hkv, N, L, sink, local, K, K_IN, min_half, PROGS,
-                       spb, sph, spn, smb, smh, sml, sob, soh, sok, sib, sih, sik,
-                       BLOCK, P_PAD, LEVELS, LB, HAS_POS, HAS_START, HAS_MASK, MASK_BOOL, MASK_HEADS, NESTED, TRIM,
-                       USE_FOR)
-
-
 # ------------------------------------------------------------------------------ adaptive budget
 @triton.jit
 def mass_cut(key, v, goal):
@@ -714,15 +659,14 @@ class KeyPass(NamedTuple):
 
 
 def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, out, progs, key_bits, lb, block, warps,
-               inner=None, ckeys=None, row=None, key_pass: KeyPass | None = None, fuse=False):
+               inner=None, ckeys=None, row=None, key_pass: KeyPass | None = None):
     """The deeper histogram levels and the select pass over the keys (and level-0 counts in
     `cum`) a key pass wrote, with the same `block` and `progs`: every pass cuts the same chunks.
-    key_pass: run the float key pass first (it writes `keys` and the level-0 counts); with `fuse`,
-    all passes in one launch where a row's programs all fit on the device at once
-    (`_fused_select_kernel`). inner: (k_inner, its output) for a nested selection (`cum` then holds
-    a second set of levels, `_counts(nested=True)`), its inner list by one program a row over the
-    list's keys where `_by_rows` (row: None to decide, or forced), else by the passes counting both
-    lists. ckeys [R, k]: where the select pass writes the keys it takes (for the trim)."""
+    key_pass: run the float key pass first (it writes `keys` and the level-0 counts). inner:
+    (k_inner, its output) for a nested selection (`cum` then holds a second set of levels,
+    `_counts(nested=True)`), its inner list by one program a row over the list's keys where
+    `_by_rows` (row: None to decide, or forced), else by the passes counting both lists.
+    ckeys [R, k]: where the select pass writes the keys it takes (for the trim)."""
     B, Hkv, _ = out.shape
     R, N = keys.shape
     # one program a row reads each pool entry's key at its cache slot: slots, not a pool's indices
@@ -742,29 +686,18 @@ def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, o
     ckeys = keys if ckeys is None else ckeys  # unwritten without the trim
     if key_pass is not None:
         kp = key_pass
-        key_meta = dict(KIND=kp.kind, G=kp.G, G_PAD=kp.G_PAD, S_PAD=pow2(kp.splits), TRIM=trim, **mask_meta)
-        key_args = (kp.scores, positions if has_pos else kp.scores, pos, start_t, ma.tensor, keys, cum, kp.pm, kp.pl, kp.tot)
-    if key_pass is not None and fuse and (interpreting() or progs * R <= num_sms(keys.device)):
-        bar = torch.zeros(R, dtype=torch.int32, device=keys.device)  # the rows' barrier counters
-        for phase in range(levels + 1) if interpreting() else (-1,):
-            torch.library.wrap_triton(_fused_select_kernel)[(progs, R)](
-                *key_args, out, out_in, ckeys, bar,
-                Hkv, N, L, sink, local, k, k_in, ma.min_half, progs, kp.splits,
-                *kp.strides, *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
-                LEVELS=levels, PHASE=phase, **key_meta, **common)
-    else:
-        if key_pass is not None:
-            torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
-                *key_args, Hkv, N, L, sink, local, ma.min_half, progs, kp.splits, *kp.strides, *sp, ma.sb, ma.sh, ma.sl,
-                **key_meta, **chunks)
-        for level in range(1, levels):
-            torch.library.wrap_triton(_hist_kernel)[(progs, R)](
-                pos, start_t, keys, cum, Hkv, N, sink, local, k, k_in, progs, LEVEL=level, KEY_BITS=key_bits, **common)
-        torch.library.wrap_triton(_select_kernel)[(progs, R)](
-            pos, start_t, pos_t, ma.tensor, keys, cum, out, out_in, ckeys,
-            Hkv, N, L, sink, local, k, k_in, ma.min_half, progs,
-            *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
-            LEVELS=levels, TRIM=trim, **mask_meta, **common)
+        torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
+            kp.scores, positions if has_pos else kp.scores, pos, start_t, ma.tensor, keys, cum, kp.pm, kp.pl, kp.tot,
+            Hkv, N, L, sink, local, ma.min_half, progs, kp.splits, *kp.strides, *sp, ma.sb, ma.sh, ma.sl,
+            KIND=kp.kind, G=kp.G, G_PAD=kp.G_PAD, S_PAD=pow2(kp.splits), TRIM=trim, **mask_meta, **chunks)
+    for level in range(1, levels):
+        torch.library.wrap_triton(_hist_kernel)[(progs, R)](
+            pos, start_t, keys, cum, Hkv, N, sink, local, k, k_in, progs, LEVEL=level, KEY_BITS=key_bits, **common)
+    torch.library.wrap_triton(_select_kernel)[(progs, R)](
+        pos, start_t, pos_t, ma.tensor, keys, cum, out, out_in, ckeys,
+        Hkv, N, L, sink, local, k, k_in, ma.min_half, progs,
+        *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
+        LEVELS=levels, TRIM=trim, **mask_meta, **common)
     if row_inner is not None:
         _row_select(keys, pos, row_inner[0], sink, local, ma, out[..., sink + local:], start, key_bits, row_inner[1])
     return out
@@ -787,20 +720,19 @@ def cache_row_launch(R: int, N: int, block: int | None, cap: int | None) -> tupl
 
 
 def select_topk(scores, pos, k, sink, local, mask=None, positions=None, start=None, *, mass=1.0, block=None, warps=4,
-                waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None, row=None, fuse=None):
+                waves=WAVES, level_bits=LEVEL_BITS, cap=None, k_inner=None, row=None):
     """reference.select_topk: [B,Hkv,sink+local+k] int32 window + top-k positions, -1 padded
     (mass < 1: trimmed to that share of the mass). With k_inner (reference.select_nested): that
     list and the one of the best k_inner, both from one key pass over the scores: the inner list
     by one program a row over the list's keys (`_by_rows`; row=True / False force it), else by the
     deeper levels and the select pass counting both. block / warps / waves (programs per SM) /
-    level_bits / cap (programs per row) / fuse (one launch, `FUSE_PASSES`) are tuning knobs
-    (bench/kernel_tuning.py); unset, block and cap follow `cache_row_launch` over a cache row, else
-    BLOCK and `plan_programs`' cap."""
+    level_bits / cap (programs per row) are tuning knobs (bench/kernel_tuning.py); unset, block and
+    cap follow `cache_row_launch` over a cache row, else BLOCK and `plan_programs`' cap."""
     B, Hkv, N = scores.shape
     if positions is None and scores.is_floating_point():
         block, cap = cache_row_launch(B * Hkv, N, block, cap)
     return _select(scores, scores.stride(), SCORE_KIND[scores.dtype], None, B, Hkv, N, pos, k, sink, local, mask, positions,
-                   start, block or BLOCK, warps, waves, level_bits, cap, k_inner, mass, row, fuse)
+                   start, block or BLOCK, warps, waves, level_bits, cap, k_inner, mass, row)
 
 
 def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local, start=None, mass=1.0) -> bool:
@@ -814,17 +746,17 @@ def mass_select_supported(q, k, scale, mask, positions, pos, budget, sink, local
 
 
 def mass_select(q, k, scale, mask, positions, pos, budget, sink, local, start=None, *, mass=1.0, block=BLOCK, warps=4,
-                waves=WAVES, level_bits=LEVEL_BITS, cap=None, fuse=None):
+                waves=WAVES, level_bits=LEVEL_BITS, cap=None):
     """reference.mass_select: select_topk of the pool `positions` by mass_scores, the key pass
     computing each candidate's mass from the logits stage's scratch (no mass written or read)."""
     B, Hkv, N = positions.shape
     if B * Hkv * N == 0:  # no logits to take (an empty pool still has its window)
         empty = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
         return _select(empty, empty.stride(), SCORE_KIND[empty.dtype], None, B, Hkv, N, pos, budget, sink, local, mask,
-                       positions, start, block, warps, waves, level_bits, cap, None, mass, fuse=fuse)
+                       positions, start, block, warps, waves, level_bits, cap, None, mass)
     lg = mass_logits(q, k, scale, mask, positions)
     return _select(lg.scratch, (Hkv * lg.G * N, lg.G * N, 1), 4, lg, B, Hkv, N, pos, budget, sink, local, mask, positions,
-                   start, block, warps, waves, level_bits, cap, None, mass, fuse=fuse)
+                   start, block, warps, waves, level_bits, cap, None, mass)
 
 
 def _row_select(src, pos, k, sink, local, ma: MaskView, positions, start, key_bits, out) -> None:
@@ -851,7 +783,7 @@ def _by_rows(R: int, N: int, row) -> bool:
 
 
 def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask, positions, start, block, warps, waves,
-            level_bits, cap, k_inner, mass=1.0, row=None, fuse=None):
+            level_bits, cap, k_inner, mass=1.0, row=None):
     """The key pass over scores (or, kind 4, over mass from `logits`, what mass_logits left) and
     run_select's passes (and, mass < 1, the trim; with k_inner, the inner list)."""
     R = B * Hkv
@@ -874,15 +806,14 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
         pm, pl, splits, G, G_PAD = logits.pm, logits.pl, logits.splits, logits.G, logits.G_PAD
     tot = torch.empty(R, progs, dtype=torch.float32, device=dev) if trim else pm
     key_pass = KeyPass(scores, strides, kind, pm, pl, tot, splits, G, G_PAD)
-    fuse = FUSE_PASSES if fuse is None else fuse
     if not trim:
         run_select(keys, cum, pos, k, sink, local, ma, positions, start, out, progs, 16, level_bits, block, warps,
-                   None if k_inner is None else (k_inner, out_in), row=row, key_pass=key_pass, fuse=fuse)
+                   None if k_inner is None else (k_inner, out_in), row=row, key_pass=key_pass)
         return out if k_inner is None else (out, out_in)
     chosen = torch.empty_like(out)
     ckeys = torch.empty(R, k, dtype=torch.int16, device=dev)
     run_select(keys, cum, pos, k, sink, local, ma, positions, start, chosen, progs, 16, level_bits, block, warps, ckeys=ckeys,
-               key_pass=key_pass, fuse=fuse)
+               key_pass=key_pass)
     torch.library.wrap_triton(_trim_kernel)[(R,)](
         chosen, ckeys, tot, out, mass, Hkv, sink + local, k, progs, *out.stride(),
         K_PAD=pow2(k), W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs),
