@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import launch
 from .compiled import CompiledState
 from .rewrite import rewrite
 
@@ -26,6 +27,7 @@ def sparse_backend(state: CompiledState):
         from .lowering.ops import salt_compile_caches
 
         salt_compile_caches()
+        launch.install()  # our kernels compiled with PDL get the launch attribute (sparse_fx/launch.py)
         on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
         mode = state.mode or ("reduce-overhead" if on_cuda else "default")
         import torch._inductor.config as inductor_config

@@ -88,3 +88,16 @@ def test_only_our_kernels_are_memoised():
         memo(users_kernel, dict(x=torch.empty(2)), {})
         memo(_select_kernel, dict(x=torch.empty(2)), {})
     assert [k for k, _ in calls] == [users_kernel, _select_kernel, users_kernel] and memo.sparse_fx_hits == 1
+
+
+def test_our_kernels_are_analysed_without_their_launch_wait():
+    """A kernel compiled with PDL has a wait at entry (inline assembly torch's analysis cannot walk,
+    touching no memory): ours are analysed as with PDL 0, so PDL 0 and 1 share one analysis; another
+    kernel's arguments reach the analysis as given."""
+    analysis, calls = counting(lambda k, kw: [])
+    memo = access_memo.memoised(analysis, only=lambda kernel: kernel == "ours")
+    for pdl in (1, 0, 2):
+        memo("ours", dict(x=torch.empty(2), PDL=pdl), {})
+        memo("theirs", dict(x=torch.empty(2), PDL=pdl), {})
+    assert [(k, kw["PDL"]) for k, kw in calls] == [("ours", 0), ("theirs", 1), ("theirs", 0), ("theirs", 2)]
+    assert memo.sparse_fx_hits == 2

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 OPTIONS = dict(budget=64, sink=16, local=16, rho=2.0)
 # launches per decode step of the 4-layer model, by the Triton kernel that runs each stage
 KERNELS = {
-    "hash": {"_pack_kernel": 4, "_hash_keys_kernel": 4, "_hist_kernel": 4, "_select_kernel": 4, "_sparse_attn_kernel": 4},
+    # (8-bit keys over short rows: one 256-bin level, no level pass; select.hash_level_bits)
+    "hash": {"_pack_kernel": 4, "_hash_keys_kernel": 4, "_select_kernel": 4, "_sparse_attn_kernel": 4},
     # layers 0, 2 propose (INT2 write, scan, the pool and its budget in one selection), 1, 3 refine (mass over the pool, one selection)
     "prism-g2": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 4, "_select_kernel": 4,
                  "_mass_logits_kernel": 2, "_sparse_attn_kernel": 4},
@@ -105,6 +106,8 @@ def test_inductor_emits_our_kernels_and_matches_the_eager_graph(case, monkeypatc
         torch.testing.FileCheck().check(f"def {name}").run(source)  # its source is emitted
         found = len(re.findall(rf"\b{name}\w*\.run\(", source))
         assert found == launches, f"{name}: {found} launches in Inductor's code, expected {launches}"
+    if plan == "hash":
+        assert not re.findall(r"\b_hist_kernel\w*\.run\(", source), "hash's short rows took a level pass"
     got, _ = decode(compiled, ids, 400)
     assert_matches_eager(base, plan, ids, 400, got, expect)
     assert sparse_fx.explain(compiled).sparse_layers == [0, 1, 2, 3]
@@ -240,3 +243,95 @@ def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
         assert a["kept"]["mean"] == pytest.approx(b["kept"]["mean"], abs=1e-6), name
         for d in ("20", "80"):  # pass keys: the same, but for at most one trial decided at a selection's edge
             assert sum(a != b for a, b in zip(cpu_keys[name]["found"][d], gpu_keys[name]["found"][d])) <= 1, (name, d)
+
+
+def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
+    """Our kernels compiled with PDL (a wait at entry) and launched early by Inductor's launchers
+    (sparse_fx.launch) decode the same tokens, bit for bit, as without it, under CUDA graphs; every
+    one of our kernels got the launch attribute and no other kernel did."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from transformers import StaticCache
+
+    from sparse_fx import launch
+    from sparse_fx.lowering.kernels import common
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    # PDL is a launch constant the compile caches cannot see: compile anew
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    marked, real = [], launch.set_launch_pdl
+
+    def spy(binary):
+        marked.append(binary.name)
+        return real(binary)
+
+    monkeypatch.setattr(launch, "set_launch_pdl", spy)
+    base = model_on_gpu()
+    ids = torch.randint(0, 256, (2, 340), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    runs = {}
+    for mode in (0, 1):
+        monkeypatch.setattr(common, "PDL", mode)
+        model = sparse_fx.compile(copy.deepcopy(base), "prism-g2", mode="reduce-overhead", **OPTIONS)
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 8)
+        with torch.no_grad():
+            model(ids[:, :300], past_key_values=cache)
+            runs[mode] = [model(ids[:, t : t + 1], past_key_values=cache).logits.clone() for t in range(300, 340)]
+        if mode == 0:
+            assert not marked, marked
+    ours = {name for kernels in KERNELS.values() for name in kernels}
+    assert marked and set(marked) <= ours | {n + "_0" for n in ours}, marked
+    for i, (a, b) in enumerate(zip(runs[1], runs[0])):
+        assert torch.equal(a, b), f"decode step {i}: PDL changed the logits"
+
+
+@pytest.mark.parametrize("B,L", [(1, 32768), (4, 8192)])
+def test_kernel_chain_with_pdl_equals_without(B, L, monkeypatch):
+    """Each plan's chain of our kernels, launched with programmatic dependent launch (each kernel
+    waits at entry for the one before), captured in a CUDA graph and replayed over poisoned outputs,
+    gives what the same chain gives launched one after another, bit for bit."""
+    from sparse_fx.lowering.kernels import common
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    ops, g = torch.ops.sparse_fx, torch.Generator("cuda").manual_seed(B * L)
+    hq, hkv, d, budget, pool = 32, 8, 128, 1024, 4096
+    pos = torch.tensor([L - 1], device="cuda")
+    q = [torch.randn(B, hq, 1, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    k = [torch.randn(B, hkv, L, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    v = [torch.randn(B, hkv, L, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    proj = torch.randn(d, 32, generator=g, device="cuda", dtype=torch.bfloat16)
+    codes = torch.zeros(B, hkv, L, d // 16, dtype=torch.int32, device="cuda")
+    params = torch.zeros(B, hkv, L, 2 * (d // 32), dtype=torch.float16, device="cuda")
+    sig = torch.zeros(B, hkv, L, 1, dtype=torch.int32, device="cuda")
+    ops.int2_write(codes, params, k[0], torch.arange(L, device="cuda"))
+    ops.signature_write(sig, k[0] @ proj, torch.arange(L, device="cuda"))
+
+    def chain():
+        idx = [ops.hash_select((q[0] @ proj)[:, :, 0], sig, pos, budget, 64, 64, None, None)]
+        ranked, own = ops.select_nested(ops.int2_scores(q[0], codes, params, pos), pos, pool, budget, 64, 64, None, None)
+        idx.append(own)
+        idx.append(ops.mass_select(q[1], k[1], None, None, ranked[:, :, 128:], pos, budget, 64, 64, None, 1.0))
+        idx.append(ops.select_topk(ops.int2_scores(q[1], codes, params, pos, ranked[:, :, 128:]), pos, budget, 64, 64,
+                                   None, ranked[:, :, 128:], None))
+        return idx + [ops.sparse_decode_attention(q[i % 2], k[i % 2], v[i % 2], x, None, None) for i, x in enumerate(idx)]
+
+    monkeypatch.setattr(common, "PDL", 0)
+    expect = [t.clone() for t in chain()]
+    monkeypatch.setattr(common, "PDL", 1)
+    assert all(torch.equal(a, b) for a, b in zip(chain(), expect)), "eager launches with PDL differ"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for replay in range(20):
+        for o in outs:
+            o.fill_(-7)
+        graph.replay()
+        for i, (a, b) in enumerate(zip(outs, expect)):
+            assert torch.equal(a, b), f"replay {replay}, output {i}: a kernel read its input before it was written"

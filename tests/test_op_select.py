@@ -363,6 +363,23 @@ def test_hash_select_takes_everything_when_the_budget_covers_the_row():
     assert (out[..., 8 + 293 :] == -1).all()
 
 
+@pytest.mark.parametrize("L", [200, 2112])
+def test_hash_select_in_one_level_where_chunks_are_short(L):
+    """Unset, hash_select counts 8-bit keys in one 256-bin level where a program's chunk is at most
+    HASH_ONE_LEVEL_BLOCKS blocks (no level pass), else in two 16-bin levels: the same list either way."""
+    from sparse_fx.lowering.kernels.select import HASH_ONE_LEVEL_BLOCKS, hash_level_bits
+
+    g = gen(35 + L)
+    pos = torch.tensor([L - 20], device=DEV)
+    q_logits = torch.randn(1, 4, 32, generator=g).to(DEV)
+    k_sig = torch.randint(-(2**31), 2**31 - 1, (1, 1, L, 1), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
+    # blocks of 8 keys: 25 over 25 programs, or 264 over 32 (HASH_WIDE_CAP), 9 a chunk
+    assert HASH_ONE_LEVEL_BLOCKS < 9 and hash_level_bits(1, L, 8, 8, 8, k_sig.device) == {200: 8, 2112: 4}[L]
+    assert hash_level_bits(1, L, 16, 8, 8, k_sig.device) == 4  # 16-bit keys: never one level
+    out = K.hash_select(q_logits, k_sig, pos, 60, 8, 8, block=8, waves=8).cpu()
+    assert torch.equal(out, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 60, 8, 8))
+
+
 def test_rows_longer_than_a_packed_count():
     """16-bin radix levels count in 8-bit fields, one key per block and slot, so a program may own
     at most 255 blocks: a row of 264 blocks of 8 (261 holding candidates) held to one program per row

@@ -8,7 +8,9 @@ class and dtype (fake tensors and Inductor buffers are replaced by 2-element sta
 symbolic size (replaced by 2) and each other argument's value. `install()` memoises it on exactly that key; calls with anything else
 (descriptor metadata, unknown argument kinds) go through unchanged. Pure memoisation of a
 deterministic function of those inputs: results are the same, only computed once. Only our own
-kernels (defined under `sparse_fx`) are memoised; any other kernel's analysis runs as before.
+kernels (defined under `sparse_fx`) are memoised; any other kernel's analysis runs as before. Ours
+are analysed without their programmatic-dependent-launch wait (`PDL` 0), which the analysis cannot
+walk (inline assembly) and which touches no memory.
 """
 
 from __future__ import annotations
@@ -69,7 +71,14 @@ def memoised(analysis, only=ours):
     @functools.wraps(analysis)
     def wrapper(*args, **kw):
         try:
-            values = list(signature.bind(*args, **kw).arguments.values())
+            bound = signature.bind(*args, **kw)
+            values = list(bound.arguments.values())
+            if only(values[0]) and values[1].get("PDL", 0):
+                # the wait at entry of a kernel compiled for programmatic dependent launch is inline
+                # assembly, which the analysis cannot walk; it touches no memory, so the kernel
+                # without it reads and writes the same tensors
+                values[1] = bound.arguments[list(bound.arguments)[1]] = {**values[1], "PDL": 0}
+                args, kw = bound.args, bound.kwargs
             key = argument_key(*values) if only(values[0]) else None
             hash(key)
         except Exception:  # noqa: BLE001 - anything unexpected: torch's own path, unmemoised

@@ -20,11 +20,58 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STREAM_WAVES = 8
 STREAM_STAGES = 3
 MAX_SPLITS = 64  # programs one row's candidates may be split over (attention, mass scores)
+# Programmatic dependent launch (sm_90+): a kernel launched with it is dispatched while the kernel
+# before it finishes, and waits (griddepcontrol.wait) at entry until that kernel's writes are
+# visible: a decode step's chain of small launches loses part of the gap between them. 0: off;
+# 1: wait at entry (the next kernel is released as this one's programs exit); 2: also release the
+# next one as soon as every program of this one has started. H200 (bench/NOTES.md, PDL): 1 saves
+# ~2 us a layer at batch 1 and nothing at 16; 2 costs 2-8% from batch 4 (the next kernel's waiting
+# programs hold SM slots). Under torch.compile the constexpr is compiled in and sparse_fx's backend
+# sets the launch attribute of the kernels that carry it (sparse_fx/launch.py).
+PDL = 1
 
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on CPU tensors through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pdl(device: torch.device) -> dict:
+    """A launch's PDL arguments: the kernels' constexpr (0 off the GPU, before sm_90, or PDL = 0),
+    and eagerly the launch attribute (a compiled graph's launcher gets it from sparse_fx.launch)."""
+    if not PDL or device.type != "cuda" or interpreting() or _capability(device)[0] < 9:
+        return {"PDL": 0}
+    if _traced():  # the kernel is recorded into a graph, not launched: no launch options
+        return {"PDL": PDL}
+    return {"PDL": PDL, "launch_pdl": True}
+
+
+def _traced() -> bool:
+    """Whether wrap_triton records its launches (torch.compile tracing a triton_op) instead of running them."""
+    try:
+        from torch._library.triton import is_wrap_triton_enabled
+    except ImportError:
+        return torch.compiler.is_compiling()
+    return is_wrap_triton_enabled()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait for the kernel before it (its writes visible)
+    and (PDL 2) release the next one's launch."""
+    if PDL >= 1:
+        tl.extra.cuda.gdc_wait()
+    if PDL >= 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def on_kernel_device(*tensors: torch.Tensor | None) -> bool:

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    FLOAT_DTYPES, MAX_SPLITS, MaskView, dot, group_queries, interpreting, is_pow2, num_sms,
-    on_kernel_device, pow2, row_of, softmax_start, upcast_dot,
+    FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, MaskView, num_sms, on_kernel_device, pdl,
+    pdl_enter, pow2, row_of, softmax_start, upcast_dot,
 )
 
 
@@ -78,7 +78,9 @@ def _sparse_attn_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact (tf32 would cost ~1e-3)
     UPCAST: tl.constexpr,  # interpreter only: bf16 dot operands go through fp32
     USE_FOR: tl.constexpr,  # `for` loop (pipelined on GPU); a `while` under the interpreter
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     r, sp = tl.program_id(0), tl.program_id(1)
     b, h = row_of(r, Hkv)
     g = tl.arange(0, G_PAD)
@@ -130,7 +132,9 @@ def _combine_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr,
     S_PAD: tl.constexpr,  # splits padded to a power of two: every split's (max, sumexp) of a head in registers
     S_STEP: tl.constexpr,  # splits whose accumulators are merged per step ([S_STEP, DV] in registers)
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)  # one (batch, query head)
     b = pid // Hq
     hq = pid % Hq
@@ -224,6 +228,7 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
         UPCAST=upcast_dot(q.dtype),
         USE_FOR=not interpreting(),
         num_warps=warps, num_stages=stages,
+        **pdl(q.device),
     )
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(B * Hq,)](
@@ -232,5 +237,6 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
             out.stride(0), out.stride(1), out.stride(3),
             G=G, G_PAD=G_PAD, DV=DV, S_PAD=pow2(splits), S_STEP=min(pow2(splits), 32),
             num_warps=4,
+            **pdl(q.device),
         )
     return out

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..reference import INT2_CODES_PER_WORD
 from .common import (
-    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, is_pow2, on_kernel_device, pow2,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, interpreting, is_pow2, on_kernel_device, pdl, pdl_enter, pow2,
     programs_per_row, row_of, upcast_dot,
 )
 
@@ -48,7 +48,9 @@ def _int2_write_kernel(
     D: tl.constexpr,  # head dim (power of two): one program holds whole keys
     M: tl.constexpr,  # groups per key; D // M channels share a scale and zero
     BLOCK_T: tl.constexpr,  # new tokens per program
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     GS: tl.constexpr = D // M
     NW: tl.constexpr = D // 16
     pid = tl.program_id(0)
@@ -120,6 +122,7 @@ def int2_write(codes, params, k, pos) -> None:
             H, T,
             *k.stride(), *codes.stride(), *params.stride(), pos.stride(0),
             D=D, M=M, BLOCK_T=BLOCK_T,
+            **pdl(k.device),
         )
 
 
@@ -361,7 +364,9 @@ def _int2_scores_kernel(
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
     PACKED: tl.constexpr,  # rows of codes, scales and zeros are contiguous: strides become constants
     AHEAD: tl.constexpr,  # codes loaded a tile ahead by hand (_scan_step), not by the pipeliner
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     _int2_scan(q_ptr, codes_ptr, params_ptr, tpos_ptr, tpos_ptr, out_ptr, Hkv, L, L, PROGS, magic,
                sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, 0, 0, 0, sob, soh, sol,
                G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, False, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
@@ -381,7 +386,9 @@ def _int2_pool_scores_kernel(
     BLOCK_L: tl.constexpr, HAS_POS: tl.constexpr, DOT_PRECISION: tl.constexpr, OP_DTYPE: tl.constexpr,
     VARIANT: tl.constexpr, MAGIC_VALUE: tl.constexpr, HALF: tl.constexpr, USE_FOR: tl.constexpr,
     PACKED: tl.constexpr, AHEAD: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     _int2_scan(q_ptr, codes_ptr, params_ptr, tpos_ptr, pool_ptr, out_ptr, Hkv, L, N, PROGS, magic,
                sqb, sqh, sqd, scb, sch, scl, scw, srb, srh, srl, srm, spb, sph, spn, sob, soh, sol,
                G, G_PAD, D, M, M_PAD, BLOCK_L, HAS_POS, True, DOT_PRECISION, OP_DTYPE, VARIANT, MAGIC_VALUE, HALF,
@@ -464,5 +471,6 @@ def int2_scores(q, codes, params, pos=None, positions=None, *, block_l=None, war
         PACKED=codes.stride()[2:] == (D // 16, 1) and params.stride()[2:] == (2 * M, 1),
         AHEAD=bool(ahead),
         num_warps=warps, num_stages=stages,
+        **pdl(codes.device),
     )
     return out

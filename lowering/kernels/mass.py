@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    FLOAT_DTYPES, MAX_SPLITS, MaskView, dot, group_queries, interpreting, is_pow2, mask_readable,
-    num_sms, on_kernel_device, pow2, row_of, softmax_start, upcast_dot,
+    FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, mask_readable, MaskView, num_sms,
+    on_kernel_device, pdl, pdl_enter, pow2, row_of, softmax_start, upcast_dot,
 )
 
 
@@ -80,7 +80,9 @@ def _mass_logits_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs exact
     UPCAST: tl.constexpr,  # interpreter only: bf16 dot operands go through fp32
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU, `while` under the interpreter
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     sp, r = tl.program_id(0), tl.program_id(1)
     b, h = row_of(r, Hkv)
     k_row = k_ptr + b * skb + h * skh
@@ -154,7 +156,9 @@ def _mass_normalise_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr,
     S_PAD: tl.constexpr,  # splits padded to a power of two: a row's statistics fit in registers
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     sp = tl.program_id(0)
     r = tl.program_id(1)
     b, h = row_of(r, Hkv)
@@ -236,6 +240,7 @@ def mass_logits(q, k, scale=None, mask=None, positions=None) -> Logits:
         UPCAST=upcast_dot(q.dtype),
         USE_FOR=not interpreting(),
         num_warps=4,
+        **pdl(q.device),
     )
     return Logits(scratch, pm, pl, splits, split_len, G, G_PAD)
 
@@ -254,5 +259,6 @@ def mass_scores(q, k, scale=None, mask=None, positions=None) -> torch.Tensor:
         *out.stride(),
         G=lg.G, G_PAD=lg.G_PAD, S_PAD=pow2(lg.splits), BLOCK_N=256,
         num_warps=4,
+        **pdl(q.device),
     )
     return out

@@ -46,8 +46,8 @@ import triton.language as tl
 from ..reference import WORD_BITS
 from .mass import group_mass, mass_logits, mass_scores_supported, row_stats
 from .common import (
-    FLOAT_DTYPES, PACKED_RUN, MaskView, count, counts_total, counts_zero, eligible, interpreting,
-    mask_readable, on_kernel_device, row_chunk, row_of, pow2, programs_per_row, slots_eligible,
+    FLOAT_DTYPES, PACKED_RUN, count, counts_total, counts_zero, eligible, interpreting, mask_readable, MaskView,
+    on_kernel_device, pdl, pdl_enter, pow2, programs_per_row, row_chunk, row_of, slots_eligible,
 )
 
 # `_row_select_kernel`, one program a row, walks its pool serially, so it pays only where rows alone
@@ -75,6 +75,12 @@ WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 32, 8
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
 WAVES = 4
 HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
+# 8-bit Hamming keys in one 256-bin level where each program's chunk is at most HASH_ONE_LEVEL_BLOCKS
+# blocks (at most HASH_WIDE_CAP programs a row: only the select pass reads their counts), else in
+# two 16-bin levels: one level saves the level pass, but its 256-bin histogram costs more a block
+# than the packed 16-bin counts. H200 (bench/NOTES.md, hash in one level): one level is 6-13% faster
+# at 32K (batch 1-16) and at 128K batch 1 and 4 (chunks of 4 blocks), 3% slower at 128K batch 16 (8).
+HASH_WIDE_CAP, HASH_ONE_LEVEL_BLOCKS = 32, 4
 SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3}
 
 
@@ -192,7 +198,9 @@ def _score_keys_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,  # KIND 4: query heads per row, splits padded
     TRIM: tl.constexpr,  # adaptive budget: also write the chunk's mass to tot_ptr [R, PROGS]
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     p, r = tl.program_id(0), tl.program_id(1)
     b, h = row_of(r, Hkv)
     scores_row = scores_ptr + b * ssb + h * ssh
@@ -264,7 +272,9 @@ def _hist_kernel(
     HAS_POS: tl.constexpr, HAS_START: tl.constexpr,
     NESTED: tl.constexpr,  # also count for the inner selection (top K_IN), into the second half of `cum`
     USE_FOR: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, _ = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
@@ -424,7 +434,9 @@ def _select_kernel(
     NESTED: tl.constexpr,  # also write the inner selection (top K_IN) to inner_ptr
     TRIM: tl.constexpr,  # also write each taken candidate's key to ckey_ptr [R, K] (for _trim_kernel)
     USE_FOR: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     p, r, R = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     b, h = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
@@ -494,12 +506,14 @@ def _trim_kernel(
     sel_ptr, ckey_ptr, tot_ptr, out_ptr, p, Hkv, WIN, K, PROGS,
     sob, soh, sok,
     K_PAD: tl.constexpr, W_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
     """One row of a selection trimmed to p of its candidates' mass (reference.trim_to_mass): sel
     [B,Hkv,WIN+K] the select pass's list, ckey [R,K] the keys it took, tot [R,PROGS] the key
     pass's chunk masses; writes out (sel's shape and strides). The list is held in registers (the
     launcher widens the program with K) and cut by 15 reductions over it: a walk over the list in
     steps, loading it again for each of them, took 20 us a row (bench/NOTES.md)."""
+    pdl_enter(PDL)
     r = tl.program_id(0)
     b, h = row_of(r, Hkv)
     sel_row = sel_ptr + b * sob + h * soh
@@ -528,6 +542,7 @@ def _row_select_kernel(
     CHUNK: tl.constexpr,  # candidates per step of each pass (loops, not unrolled: one chunk in registers)
     KEY_BITS: tl.constexpr,  # 16, or 8 (Hamming similarities): one histogram level
     HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
     """A nested selection's inner list (reference.select_nested) in one program a row: the best K
     of the row's pool (`pos` [B,Hkv,N], candidate order) by the keys its own key pass wrote to src
@@ -537,6 +552,7 @@ def _row_select_kernel(
     a time (the scratch stays in cache). One launch for the level and select passes that would
     otherwise count both lists: 7% faster at 128K, batch 16 (128 rows), twice as slow at batch 1
     and 4, where too few rows fill the GPU (bench/NOTES.md), hence `_by_rows`."""
+    pdl_enter(PDL)
     r = tl.program_id(0)
     b, h = row_of(r, Hkv)
     now, first = tl.load(tpos_ptr).to(tl.int32), tl.load(start_ptr + b, mask=HAS_START, other=0).to(tl.int32)
@@ -689,15 +705,15 @@ def run_select(keys, cum, pos, k, sink, local, ma: MaskView, positions, start, o
         torch.library.wrap_triton(_score_keys_kernel)[(progs, R)](
             kp.scores, positions if has_pos else kp.scores, pos, start_t, ma.tensor, keys, cum, kp.pm, kp.pl, kp.tot,
             Hkv, N, L, sink, local, ma.min_half, progs, kp.splits, *kp.strides, *sp, ma.sb, ma.sh, ma.sl,
-            KIND=kp.kind, G=kp.G, G_PAD=kp.G_PAD, S_PAD=pow2(kp.splits), TRIM=trim, **mask_meta, **chunks)
+            KIND=kp.kind, G=kp.G, G_PAD=kp.G_PAD, S_PAD=pow2(kp.splits), TRIM=trim, **mask_meta, **chunks, **pdl(keys.device))
     for level in range(1, levels):
         torch.library.wrap_triton(_hist_kernel)[(progs, R)](
-            pos, start_t, keys, cum, Hkv, N, sink, local, k, k_in, progs, LEVEL=level, KEY_BITS=key_bits, **common)
+            pos, start_t, keys, cum, Hkv, N, sink, local, k, k_in, progs, LEVEL=level, KEY_BITS=key_bits, **common, **pdl(keys.device))
     torch.library.wrap_triton(_select_kernel)[(progs, R)](
         pos, start_t, pos_t, ma.tensor, keys, cum, out, out_in, ckeys,
         Hkv, N, L, sink, local, k, k_in, ma.min_half, progs,
         *sp, ma.sb, ma.sh, ma.sl, *out.stride(), *out_in.stride(),
-        LEVELS=levels, TRIM=trim, **mask_meta, **common)
+        LEVELS=levels, TRIM=trim, **mask_meta, **common, **pdl(keys.device))
     if row_inner is not None:
         _row_select(keys, pos, row_inner[0], sink, local, ma, out[..., sink + local:], start, key_bits, row_inner[1])
     return out
@@ -774,6 +790,7 @@ def _row_select(src, pos, k, sink, local, ma: MaskView, positions, start, key_bi
         CHUNK=chunk, KEY_BITS=key_bits, HAS_START=start is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool,
         MASK_HEADS=ma.heads,
         num_warps=ROW_WARPS,
+        **pdl(keys.device),
     )
 
 
@@ -818,6 +835,7 @@ def _select(scores, strides, kind, logits, B, Hkv, N, pos, k, sink, local, mask,
         chosen, ckeys, tot, out, mass, Hkv, sink + local, k, progs, *out.stride(),
         K_PAD=pow2(k), W_PAD=pow2(max(sink + local, 1)), P_PAD=pow2(progs),
         num_warps=min(32, max(4, pow2(k) // 512)),  # 16 list slots a thread: the list, its keys and masses fit
+        **pdl(out.device),
     )
     return out
 
@@ -840,12 +858,24 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
     )
 
 
-def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=HASH_BLOCK, warps=4,
-                waves=HASH_WAVES, level_bits=HASH_LEVEL_BITS, cap=None, k_inner=None, row=None):
+def hash_level_bits(R: int, N: int, key_bits: int, block: int, waves: int, device: torch.device) -> int:
+    """Bits a radix level of hash_select's keys: 8 (one level) for 8-bit keys whose chunks stay
+    short at HASH_WIDE_CAP programs a row, else HASH_LEVEL_BITS."""
+    if key_bits == 8:
+        progs = plan_programs(R, N, device, block, waves, 8, HASH_WIDE_CAP)
+        if triton.cdiv(triton.cdiv(max(N, 1), block), progs) <= HASH_ONE_LEVEL_BLOCKS:
+            return 8
+    return HASH_LEVEL_BITS
+
+
+def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=None, warps=4,
+                waves=None, level_bits=None, cap=None, k_inner=None, row=None):
     """reference.hash_select: Hamming keys fused with the first selection pass, then select (with
-    k_inner, also the best k_inner as reference.hash_select_nested; `row` as in select_topk)."""
+    k_inner, also the best k_inner as reference.hash_select_nested; `row` as in select_topk).
+    Unset, the launch knobs are the HASH_ constants (read at the call)."""
     from .signatures import _hash_keys_kernel
 
+    block, waves = block or HASH_BLOCK, waves or HASH_WAVES
     B, Hq, _ = q_logits.shape
     Hkv, N, W = k_sig.shape[1], k_sig.shape[2], k_sig.shape[3]
     G = Hq // Hkv
@@ -856,6 +886,8 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     if R == 0:
         return out if k_inner is None else (out, out_in)
     key_bits = 16 if G * WORD_BITS * W + 1 > 255 else 8  # similarity + 1
+    level_bits = level_bits or hash_level_bits(R, N, key_bits, block, waves, dev)
+    cap = cap or (HASH_WIDE_CAP if level_bits == 8 else None)
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
@@ -869,6 +901,7 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
         HAS_START=start is not None, HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
         HW_POPC=not interpreting(), USE_FOR=not interpreting(),
         num_warps=warps,
+        **pdl(k_sig.device),
     )
     run_select(keys, cum, pos, k, sink, local, ma, None, start, out, progs, key_bits, level_bits, block, warps,
                None if k_inner is None else (k_inner, out_in), row=row)

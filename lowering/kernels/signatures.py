@@ -14,8 +14,8 @@ from triton.language.extra import libdevice
 
 from ..reference import WORD_BITS, hamming_dtype
 from .common import (
-    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, count, counts_total, counts_zero, interpreting, on_kernel_device, pow2,
-    programs_per_row, row_chunk, row_of, slots_eligible,
+    FLOAT_DTYPES, STREAM_STAGES, STREAM_WAVES, count, counts_total, counts_zero, interpreting, on_kernel_device, pdl,
+    pdl_enter, pow2, programs_per_row, row_chunk, row_of, slots_eligible,
 )
 
 
@@ -29,7 +29,9 @@ def _pack_kernel(
     spt,
     HAS_POS: tl.constexpr,  # scatter row t to out[..., pos[t], :] (signature_write) instead of out[..., t, :]
     BLOCK: tl.constexpr,  # (token, word) items per program; each item loads 32 logits
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64 row offsets: caches can exceed 2**31 elements
@@ -81,6 +83,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
         0, 0, o2.stride(0), o2.stride(1),
         0,
         HAS_POS=False, BLOCK=BLOCK,
+        **pdl(x.device),
     )
     return out
 
@@ -114,6 +117,7 @@ def signature_write(cache: torch.Tensor, logits: torch.Tensor, pos: torch.Tensor
             *cache.stride(),
             pos.stride(0),
             HAS_POS=True, BLOCK=BLOCK,
+            **pdl(cache.device),
         )
 
 
@@ -161,7 +165,9 @@ def _hamming_kernel(
     W: tl.constexpr,  # words per signature: unrolled
     BLOCK_L: tl.constexpr,  # keys per loop step (4 B each per word)
     USE_FOR: tl.constexpr,  # pipelined `for` on GPU; `while` under the interpreter (its `range` breaks on numpy >= 2.4)
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     r = tl.program_id(1)
     b, h = row_of(r, Hkv)
@@ -210,6 +216,7 @@ def hamming_scores(q_sig: torch.Tensor, k_sig: torch.Tensor) -> torch.Tensor:
         *out.stride(),
         G=Hq // Hkv, W=W, BLOCK_L=BLOCK_L, USE_FOR=not interpreting(),
         num_warps=4, num_stages=STREAM_STAGES,
+        **pdl(k_sig.device),
     )
     return out
 
@@ -267,9 +274,11 @@ def _hash_keys_kernel(
     HAS_START: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_HEADS: tl.constexpr,
     HW_POPC: tl.constexpr,  # the popc instruction (GPU); SWAR under the interpreter
     USE_FOR: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
 ):
     """Key pass of hash_select: pack the query signs, score the chunk's keys by Hamming similarity
     summed over the KV head's query heads, key = similarity + 1 (0: not a candidate)."""
+    pdl_enter(PDL)
     p, r = tl.program_id(0), tl.program_id(1)
     b, h = row_of(r, Hkv)
     # the query's and the row's first position, loaded here: a helper given these pointers would seem to write them
