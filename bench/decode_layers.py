@@ -51,9 +51,31 @@ class Layers:
             self.int2.append((codes, params))
 
     def dense(self) -> list[torch.Tensor]:
-        """Dense decode attention of every layer over its whole cache (SDPA, GQA, unmasked: the
-        best dense; pick the backend with `sdpa_kernel`)."""
+        """Dense decode attention of every layer over its whole cache (SDPA, GQA, unmasked; pick the
+        backend with `sdpa_kernel`, or time every one with `dense_times`)."""
         return [F.scaled_dot_product_attention(self.q[i], self.k[i], self.v[i], enable_gqa=True) for i in range(self.nl)]
+
+    def dense_times(self, time_fn, cpu: bool = False) -> dict[str, float]:
+        """ms per layer of `dense` under each SDPA backend that takes the shape (flash, cudnn,
+        efficient; math on the CPU), timed by time_fn(fn) -> ms. The backends differ at decode:
+        in a compiled 128K decode step SDPA picked cuDNN at 467 us a layer where flash takes
+        550-570 here (bench/NOTES.md), so a ratio against one backend alone can flatter us."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        out = {}
+        for name in ("MATH",) if cpu else DENSE_BACKENDS:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                try:
+                    self.dense()
+                except RuntimeError:  # this backend does not take the shape, or is not built
+                    continue
+                out[name.split("_")[0].lower()] = time_fn(self.dense) / self.nl
+        if not out:
+            raise RuntimeError(f"no SDPA backend of {DENSE_BACKENDS} runs dense decode attention at B={self.B}, L={self.L}")
+        return out
+
+
+DENSE_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")  # the dense baselines timed
 
 
 def int2_key_bytes(head_dim: int) -> int:

@@ -260,3 +260,23 @@ def test_results_of_another_run_are_never_overwritten(tmp_path):
     assert json.loads((tmp_path / "k-2.json").read_text())["rows"] == [3]
     assert json.loads((tmp_path / "odd.json").read_text()) == [1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k-2.json", "k-2.md", "k.json", "k.md", "odd-2.json", "odd.json"]
+
+
+def test_dense_is_timed_under_every_sdpa_backend_that_takes_the_shape(monkeypatch):
+    """The kernel benches' dense baseline is the fastest SDPA backend: one that cannot take the shape
+    (cuDNN without a GPU) is skipped, each one that can is timed, and their attention agrees."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    from decode_layers import DENSE_BACKENDS, Layers
+
+    st = Layers(2, 96, 2, torch.device("cpu"), 4, 2, 32)
+    timed = []
+    times = st.dense_times(lambda fn: (timed.append(fn()), 3.0)[1])
+    assert times == {"flash": 1.5}, times  # CPU SDPA has flash; cuDNN and memory-efficient need CUDA
+    assert "CUDNN_ATTENTION" in DENSE_BACKENDS and st.dense_times(lambda fn: 1.0, cpu=True) == {"math": 0.5}
+    with sdpa_kernel([SDPBackend.MATH]):
+        math = st.dense()
+    for a, b in zip(timed[0], math):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

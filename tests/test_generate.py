@@ -75,6 +75,22 @@ def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(plan):
 
 
 @pytest.mark.parametrize("plan", PLANS)
+def test_continuing_from_a_returned_cache_equals_one_call(plan):
+    """A chat's next turn passes the last call's cache back: the side caches must carry on from it,
+    so 5 + 7 tokens in two calls are the 12 tokens of one call, and every slot matches its keys."""
+    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
+    ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(3))
+    first = generate(model, ids, 5, return_dict_in_generate=True)
+    with torch.no_grad():
+        second = model.generate(first.sequences, max_new_tokens=7, min_new_tokens=7, do_sample=False,
+                                past_key_values=first.past_key_values, return_dict_in_generate=True)
+    whole = generate(sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL), ids, 12)
+    assert torch.equal(second.sequences, whole)
+    cache = second.past_key_values
+    assert_side_caches_match_the_keys(model, cache, int(cache.layers[0].cumulative_length))
+
+
+@pytest.mark.parametrize("plan", PLANS)
 def test_first_tokens_do_not_depend_on_max_new_tokens(plan):
     """Ties at the top-k cut are broken by candidate position, whatever the cache length."""
     model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
