@@ -41,17 +41,21 @@ class HeadMLP:
 
 
 def apply_head_mlp(x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
-    """x [B,H,T,in] -> [B,H,T,out] float32 through the per-head layers (w0, b0, w1, b1, ...)."""
-    h = x.float()
+    """x [B,H,T,in] -> [B,H,T,out] float32 through the per-head layers (w0 [H,in,out], b0 [H,out],
+    w1, b1, ...). Heads lead while the layers run, so each layer is one [H, B*T, in] x [H, in, out]
+    product: torch.matmul's broadcast of w[None] over the batch copies every weight B times
+    (a clone launch a layer, 8 MB at batch 16 for LSH query planes, 34 MB for a learned hidden layer)."""
+    B, H, T, _ = x.shape
+    h = x.float().transpose(0, 1).reshape(H, B * T, x.shape[-1])  # a view where B or T is 1
     n = len(params) // 2
     for i in range(n):
         w, b = params[2 * i], params[2 * i + 1]
-        h = torch.matmul(h, w[None])
+        h = torch.bmm(h, w)
         if b is not None:
-            h = h + b[None, :, None, :]
+            h = h + b[:, None, :]
         if i < n - 1:
             h = torch.nn.functional.silu(h)
-    return h
+    return h.reshape(H, B, T, h.shape[-1]).transpose(0, 1)
 
 
 @dataclass

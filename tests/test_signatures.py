@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import StaticCache
 
 import sparse_fx
@@ -196,3 +198,46 @@ def test_cli_trains_and_saves_smollm2_encoders(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     enc = sparse_fx.SignatureEncoders.load(tmp_path / "e")
     assert enc.fingerprint["num_layers"] == 30 and enc.metadata["data"]["windows"] == 1
+
+
+@given(B=st.integers(1, 4), H=st.integers(1, 5), T=st.integers(1, 6), widths=st.lists(st.integers(1, 24), min_size=2, max_size=4),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_head_mlp_equals_each_rows_layers_in_fp64_and_copies_no_weight_per_batch_row(B, H, T, widths, bias, seed):
+    """apply_head_mlp runs head h's layers on every (batch, token) row; no tensor it makes is as large as
+    a weight repeated over the batch (torch.matmul's broadcast of w[None] once cloned them all)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparse_fx.runtime.encoders import apply_head_mlp
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, T, widths[0], generator=g)
+    params = []
+    for i, o in zip(widths, widths[1:]):
+        params += [torch.randn(H, i, o, generator=g), torch.randn(H, o, generator=g) if bias else None]
+    made = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            made.extend((func, tuple(t.shape)) for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)  # allocations
+            return out
+
+    with Shapes():
+        got = apply_head_mlp(x, *params)
+    assert got.shape == (B, H, T, widths[-1]) and got.dtype == torch.float32
+    if B > 1:
+        repeated = {(B, H, *w.shape[1:]) for w in params[::2]} | {(B * H, *w.shape[1:]) for w in params[::2]}
+        assert not [m for m in made if m[1] in repeated], made
+    want = torch.empty(B, H, T, widths[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            y = x[b, h].double()
+            for j in range(len(params) // 2):
+                w, bb = params[2 * j], params[2 * j + 1]
+                y = y @ w[h].double() + (bb[h].double() if bb is not None else 0)
+                if j < len(params) // 2 - 1:
+                    y = torch.nn.functional.silu(y)
+            want[b, h] = y
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
