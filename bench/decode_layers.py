@@ -62,12 +62,18 @@ class Layers:
         550-570 here (bench/NOTES.md), so a ratio against one backend alone can flatter us."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        out = {}
+        out, want = {}, None
         for name in ("MATH",) if cpu else DENSE_BACKENDS:
             with sdpa_kernel([getattr(SDPBackend, name)]):
                 try:
-                    self.dense()
+                    got = self.dense()
                 except RuntimeError:  # this backend does not take the shape, or is not built
+                    continue
+                # the first backend that runs is the reference (math would repeat K/V over the query
+                # heads: tens of GB at 128K, batch 16); one that disagrees with it is not timed
+                want = want or got
+                if not all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(got, want)):
+                    print(f"dense_times: SDPA {name} differs from {next(iter(out))} at B={self.B}, L={self.L}: not timed")
                     continue
                 out[name.split("_")[0].lower()] = time_fn(self.dense) / self.nl
         if not out:
@@ -76,6 +82,12 @@ class Layers:
 
 
 DENSE_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")  # the dense baselines timed
+
+
+def fastest(times: dict[str, float]) -> tuple[str, float]:
+    """(backend, ms) of the fastest entry of `Layers.dense_times`: the benches' dense."""
+    name = min(times, key=times.get)
+    return name, times[name]
 
 
 def int2_key_bytes(head_dim: int) -> int:

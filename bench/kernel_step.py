@@ -14,9 +14,10 @@ Each plan's step is called through the ops the compiled graph runs (torch.ops.sp
             (int2_scores over the pool's slots -> select_topk of the pool -> attention)
   prism-g4-mass0.95  prism-g4 with the adaptive budget: refined layers' selections trimmed to 0.95
             of the pool's attention mass (mass_select's trim); the mean tokens they keep is reported
-against dense decode attention over the whole cache (SDPA with enable_gqa, unmasked), timed under each
-backend that takes the shape (flash, cuDNN, memory-efficient): the headline ratio is against the
-fastest, and the report also gives each plan's ratio against each backend. bf16, Hq=32, Hkv=8, D=128 (Llama-3.1-8B), sink 128 + local 128 + budget.
+against dense decode attention over the whole cache (SDPA with enable_gqa, unmasked), timed under
+each backend that takes the shape (flash, cuDNN, memory-efficient): the headline ratio is against
+the fastest, and the report gives each plan's ratio against each backend. bf16, Hq=32, Hkv=8,
+D=128 (Llama-3.1-8B), sink 128 + local 128 + budget.
 
 The step of NL distinct layers (so replays do not find the previous layer's data in L2) is
 captured in a CUDA graph and replayed (median of windows). Per kernel: device time from the
@@ -77,7 +78,7 @@ if ARGS.smoke:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-from decode_layers import OPS, Layers, int2_key_bytes, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
+from decode_layers import OPS, Layers, fastest, int2_key_bytes, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 
@@ -215,8 +216,7 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
 
 def pick_dense(row: dict) -> None:
     """The row's dense is its fastest SDPA backend (`dense_backend`, `dense_ms`)."""
-    row["dense_backend"] = min(row["dense_backends_ms"], key=row["dense_backends_ms"].get)
-    row["dense_ms"] = row["dense_backends_ms"][row["dense_backend"]]
+    row["dense_backend"], row["dense_ms"] = fastest(row["dense_backends_ms"])
 
 
 def speedups(row: dict, ms: float) -> dict[str, float]:

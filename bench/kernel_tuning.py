@@ -57,7 +57,7 @@ if ARGS.smoke:
         benchlib.save = lambda *_, **__: []  # untimed numbers stay out of bench/results unless asked for
 
 import torch  # noqa: E402
-from decode_layers import Layers  # noqa: E402  (bench/decode_layers.py)
+from decode_layers import Layers, fastest  # noqa: E402  (bench/decode_layers.py)
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 from sparse_fx.lowering.kernels import gather_attention as A  # noqa: E402
@@ -185,9 +185,8 @@ def main() -> None:
         dense = st.dense_times(benchlib.time_graph, cpu=ARGS.smoke)
         for name, ms in dense.items():
             print(f"  dense sdpa {name:<13} {ms * 1e3:8.1f} us  {kv / ms / 1e6:6.0f} GB/s", flush=True)
-        fastest = min(dense, key=dense.get)
-        ms = dense[fastest]  # the fastest backend is the row's dense
-        best["dense_sdpa"] = dict(ms=ms, backend=fastest, by_backend_ms=dense, bytes=kv, gbps=kv / ms / 1e6,
+        backend, ms = fastest(dense)  # the row's dense
+        best["dense_sdpa"] = dict(ms=ms, backend=backend, by_backend_ms=dense, bytes=kv, gbps=kv / ms / 1e6,
                                   copy_fraction=kv / ms / 1e6 / copy)
 
         def per_layer(fn):
