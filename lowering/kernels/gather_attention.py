@@ -21,6 +21,12 @@ from .common import (
 )
 
 
+# Launch defaults (kernel_tuning's choice on an H200), module constants so a bench can --set them.
+FEW_BLOCK_N, MANY_BLOCK_N = 32, 64  # rows of K/V a step, below / from 64 rows (B x Hkv); head dims <= 128
+FEW_WAVES, MANY_WAVES = 4, 8  # programs per SM the split count aims for
+ATTN_WARPS = 4
+
+
 @triton.jit
 def _attn_tile(
     q, k_row, v_row, idx_row, mask_row, start, end, m_i, l_i, acc, sm_scale,
@@ -182,7 +188,7 @@ def sparse_decode_attention_supported(q, k, v, indices, scale=None, mask=None) -
     )
 
 
-def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=None, warps=4, stages=None,
+def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=None, warps=None, stages=None,
                             waves=None, max_splits=MAX_SPLITS) -> torch.Tensor:
     """softmax(q k[idx]^T * scale + mask[idx]) v[idx] per KV head: [B,Hq,1,Dv] in q's dtype.
 
@@ -198,10 +204,11 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
         return torch.zeros(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     out = torch.empty(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     sm_scale = D**-0.5 if scale is None else float(scale)
-    many = R >= 64  # enough rows to fill the GPU with few splits: wider tiles pay
-    BLOCK_N = block_n or (64 if many and max(D, DV) <= 128 else 32)
-    stages = stages or (2 if BLOCK_N == 64 else 3)
-    waves = waves or (8 if many else 4)
+    many = R >= 64  # enough rows to fill the GPU with few splits
+    BLOCK_N = block_n or ((MANY_BLOCK_N if many else FEW_BLOCK_N) if max(D, DV) <= 128 else 32)
+    stages = stages or (2 if BLOCK_N >= 64 else 3)
+    waves = waves or (MANY_WAVES if many else FEW_WAVES)
+    warps = warps or ATTN_WARPS
     G_PAD = max(16, pow2(G))
     blocks = triton.cdiv(NIDX, BLOCK_N)
     splits = max(1, min(max_splits, blocks, triton.cdiv(waves * num_sms(q.device), R)))
