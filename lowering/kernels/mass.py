@@ -22,7 +22,7 @@ from .common import (
 
 
 MASS_WAVES = 4  # programs per SM the logits stage's split count aims for
-MASS_BLOCK_N = 128  # candidates a step of the logits stage (head dims up to 128; half beyond): 64 took 7-8% longer a prism-g4 step
+MASS_BLOCK_N = 128  # candidates a step of the logits stage at head dims <= 128 (half beyond); 64 took 6-13% longer a prism-g4 step
 MASS_WARPS = 4
 MASS_STAGES = 3  # the pipelined loop's stages (Triton's default on sm_90)
 
