@@ -70,7 +70,7 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     if plan == "dense":
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     else:
-        sparse_fx.compile(model, plan, budget=1024, sink=128, local=128)
+        sparse_fx.compile(model, plan, budget=1024, sink=128, local=128, min_context=0)  # the sparse graph at 8K
         sparse_fx.attach_cache(model, cache)
         forward = model.forward
     counts = _counting()

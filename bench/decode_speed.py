@@ -152,7 +152,8 @@ def ttft_rows(model, original_forward, contexts: list[int], batches: list[int], 
                 model.forward = original_forward
                 try:
                     if method != "dense":
-                        sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local)
+                        sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local,
+                                          min_context=args.min_context)
                     cold, warm, times = time_prefill(model.forward, model, n, batch)
                     row = dict(kind="ttft", method=method, context=n, batch=batch, cold_s=cold, warm_s=warm, calls_s=times)
                 except torch.OutOfMemoryError:
@@ -188,7 +189,8 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
             if method.startswith("dense"):
                 forward = torch.compile(original_forward, mode="reduce-overhead", fullgraph=True)
             else:
-                sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local)
+                sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local,
+                                  min_context=args.min_context)
                 sparse_fx.attach_cache(model, cache)
                 forward = model.forward
             step, first, phases = time_decode(forward, cache, batch, args.steps, args.warmup)
@@ -228,6 +230,9 @@ def main() -> None:
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--local", type=int, default=128)
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--min-context", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="the plans' min_context: 'auto' (the product's: dense below the measured break-even, "
+                        "sparse_layers 0 in the row) or a length (0: always sparse)")
     p.add_argument("--ttft", default="", help="contexts whose time to first token to measure (e.g. 32768,65536,131072)")
     p.add_argument("--ttft-batches", default="1", help="batches of the time-to-first-token runs")
     p.add_argument("--repeat", type=int, default=1, help="time each decode configuration this many times (median kept)")

@@ -284,6 +284,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['context']} | {r['filled']} | {r['batch']} | "
                      + " | ".join(f"{r['dense_backends_ms'][b] * 1e3:.1f}" for b in backends) + " | "
                      + " | ".join(" / ".join(f"{r[p]['speedups'][b]:.2f}" for b in backends) for p in plans) + " |")
+    lines += where_plans_pay(res, plans)
     adaptive = [p for p in plans if "-mass" in p]
     if adaptive:
         lines += ["", "Tokens a refined layer chose by score (mean over rows; the fixed budget: "
@@ -306,6 +307,26 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {r['context']} | {r['batch']} | {plan} | {k['kernel']} | {k['launches']:.2f} | "
                              f"{k['us']:.1f} | {mb} | {gb} | {frac} | {of_read} |")
     return "\n".join(lines) + "\n"
+
+
+def where_plans_pay(res: dict, plans: list[str]) -> list[str]:
+    """Markdown: from which full cache length each plan paid in this run, beside the points that
+    min_context="auto" ships (`Method.break_even`, which the pass keeps dense below)."""
+    from sparse_fx import Plan, methods
+
+    full = [r for r in res["rows"] if r["filled"] == r["context"]]
+    rows_of = {b: b * res["config"]["kv_heads"] for b in sorted({r["batch"] for r in full})}
+    lines = ["", f"Where each plan pays: the shortest full cache from which every longer one ran >= {methods.PAYS}x "
+             "dense here, beside the point min_context='auto' ships (below it the pass keeps dense attention):", "",
+             "| plan | batch | KV rows | pays from (this run) | shipped |", "|---|---|---|---|---|"]
+    for p in plans:
+        plan = Plan.parse(p)
+        shipped = methods.get(plan.method).break_even(plan)
+        measured = methods.break_even_points({rows: {r["context"]: r[p]["speedup"] for r in full if r["batch"] == b}
+                                              for b, rows in rows_of.items()})
+        lines += [f"| {p} | {b} | {rows} | {measured[rows] or 'none measured'} | {shipped.get(rows, '-')} |"
+                  for b, rows in rows_of.items()]
+    return lines
 
 
 def plot(res: dict, path) -> None:
@@ -351,6 +372,7 @@ def run_smoke(a) -> None:
     res = run_gpu(a)
     md = markdown(res)
     assert all(p in md for p in PLANS) and "Tokens a refined layer chose" in md and "Dense by SDPA backend" in md, md
+    assert "Where each plan pays" in md, md
     print("smoke ok: every plan's step ran through the kernels; hash_select equals the reference; the report renders "
           "(nothing written)")
 

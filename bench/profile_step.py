@@ -36,7 +36,7 @@ def profile_method(model, original_forward, method: str, args) -> dict:
         if method == "dense-gqa":
             forward = torch.compile(original_forward, mode="reduce-overhead", fullgraph=True)
         else:
-            sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local)
+            sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local, min_context=0)
             sparse_fx.attach_cache(model, cache)
             forward = model.forward
         step, first, _ = time_decode(forward, cache, args.batch, args.steps, 3)

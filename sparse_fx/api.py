@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -36,12 +37,14 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
 
     plan: a name (dense, oracle, hash, prism-g<G>[-hash], static-g<G>[-hash]), a `Plan` or a plan
     JSON file; plan_options override its fields (budget, sink, local, rho, int2_group, proposal,
-    bits, ...).
+    bits, min_context, ...). On CUDA a decode graph whose static cache is shorter than where the
+    plan was measured to pay keeps dense attention (min_context="auto"; 0 forces sparse).
     encoders: trained signature encoders (object or directory) for plans that score with signatures
     (hash, prism-g<G>-hash); LSH without them.
     backend: "inductor" (default) compiles the rewritten graph; "eager" runs it as is (debugging,
     and fast CPU tests). mode: Inductor mode; default "reduce-overhead" (CUDA graphs) on CUDA.
-    strict: raise instead of leaving any attention the plan wants sparse dense.
+    strict: raise instead of leaving any attention the plan wants sparse dense (a cache shorter
+    than min_context is no miss: the plan wants dense attention there).
     measure: record every sparse layer's selection against dense attention (recall, attention
     mass, output error; read them with `sparse_fx.measurements(model)`); implies backend "eager".
 
@@ -123,6 +126,9 @@ def explain(model: torch.nn.Module) -> Report:
         notes.append(state.attention_note)
     if state.plan.note:
         notes.append(state.plan.note)
+    rule = _min_context_note(state, next(model.parameters()).device)
+    if rule:
+        notes.append(rule)
     shard = state.info.shard.describe(state.info.kv_heads)
     if shard:
         notes.append(f"tensor parallel: this report is {shard}; side caches and selections are this rank's heads only")
@@ -193,8 +199,9 @@ def _trace_decode(model: torch.nn.Module, state: CompiledState) -> GraphReport:
     """Trace one decode step on a throwaway StaticCache and state (rewritten graph run eagerly)."""
     from transformers import StaticCache
 
-    probe = CompiledState(plan=state.plan, info=state.info, method=state.method, encoders=state.encoders,
-                          backend="eager")
+    # the tiny cache is shorter than any min_context: trace what a long enough cache runs
+    probe = CompiledState(plan=dataclasses.replace(state.plan, min_context=0), info=state.info, method=state.method,
+                          encoders=state.encoders, backend="eager")
     length = state.plan.window + state.plan.pool + 2
     cache = StaticCache(config=model.config, max_cache_len=length)
     ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
@@ -202,6 +209,23 @@ def _trace_decode(model: torch.nn.Module, state: CompiledState) -> GraphReport:
         torch.compile(_own_frame(model.forward.original), backend=sparse_backend(probe), fullgraph=True,
                       dynamic=False)(ids, past_key_values=cache)
     return probe.reports[-1]
+
+
+def _min_context_note(state: CompiledState, device: torch.device) -> str:
+    """explain's line on which static cache lengths keep dense attention ("" when none do)."""
+    plan = state.plan
+    if plan.min_context != "auto":
+        return (f"min_context {plan.min_context}: a decode step on a shorter static cache keeps dense attention"
+                if plan.min_context else "")
+    table = state.method.break_even(plan) if device.type == "cuda" else {}
+    if not table:
+        return ""
+    points = ", ".join(f"{n} tokens at {rows}+ KV rows" for rows, n in sorted(table.items()))
+    heads = state.info.kv_heads
+    rows = f"batch x {heads // state.info.shard.size} KV heads here" if heads else "batch x KV heads"
+    return (f"min_context='auto': a decode step keeps dense attention on a static cache shorter than where {plan.name} "
+            f"was measured to pay on an H200 ({points}; KV rows = {rows}, fewer rows take the first point); "
+            "min_context=0 forces sparse")
 
 
 def _load_encoders(encoders, model, info: ModelInfo, plan: Plan) -> SignatureEncoders:

@@ -85,7 +85,7 @@ def calibrate(
     with torch.no_grad():
         model(ids[:, :prefill], past_key_values=cache)  # dense prefill, once
     base = Plan.parse(f"{method}-g{group}", **plan_options)
-    compile(model, base, backend="eager", _search=True)
+    compile(model, dataclasses.replace(base, min_context=0), backend="eager", _search=True)  # sparse at any length
     state = sparse_state(model)
     try:
         attach_cache(model, cache)

@@ -69,6 +69,29 @@ class CompiledState:
             return "dense_layers option"
         return f"plan {self.plan.name} keeps this layer dense"
 
+    def min_context(self, kv: KVShape) -> tuple[int, str]:
+        """The static cache length from which a decode graph on `kv` runs sparse, and where it comes from."""
+        p = self.plan
+        if p.min_context != "auto":
+            return p.min_context, "the plan's min_context"
+        table = self.method.break_even(p) if kv.device.type == "cuda" else {}
+        if not table:
+            return 0, "min_context='auto'"
+        rows = kv.batch * kv.kv_heads
+        at = max((r for r in table if r <= rows), default=min(table))
+        return table[at], (f"min_context='auto': where {p.name} was measured to pay at {at} KV rows "
+                           f"(this graph: batch {kv.batch} x {kv.kv_heads} KV heads); min_context=0 forces sparse")
+
+    def short(self, kv: KVShape | None) -> str | None:
+        """Why a decode graph on `kv` keeps dense attention in every layer by the plan's
+        min_context (None: it may run sparse). Such a graph also keeps no side caches."""
+        if kv is None:
+            return None
+        need, source = self.min_context(kv)
+        if kv.max_len >= need:
+            return None
+        return f"static cache of {kv.max_len} tokens is shorter than {need} ({source})"
+
     def budget_text(self) -> str:
         p = self.plan
         return f"{p.sink}+{p.local}+{p.budget}"
@@ -91,6 +114,7 @@ class CompiledState:
         every compiled prefill graph writes it (Hugging Face models prefill eagerly, writing all)."""
         if not report.decode:
             needs = {r.layer for r in report.rows if self.role(r.layer) != "dense" and r.side_cache == "-"
+                     and not self.short(report.shape)
                      and self.method.side_cache(self.role(r.layer), report.shape, self.plan)}
             self.unfilled |= needs
             reads = {r.layer for rep in self.reports if rep.decode for r in rep.rows if r.action == "sparse"}
@@ -131,6 +155,8 @@ class CompiledState:
             if role == "dense" or getattr(layer, "is_sliding", False) or not getattr(layer, "is_initialized", False):
                 continue
             kv = KVShape.of(layer.keys)
+            if self.short(kv):
+                continue
             specs = self.method.side_cache(role, kv, self.plan)
             if specs:
                 yield i, layer, kv, specs

@@ -31,9 +31,10 @@ class Row:
     budget: str = "-"
     side_cache: str = "-"
     side_cache_bytes: int = 0
+    short: bool = False  # dense because the plan's min_context asks it there, not for want of support
 
-    def dense(self, reason: str) -> Row:
-        self.action, self.reason = "dense", reason
+    def dense(self, reason: str, short: bool = False) -> Row:
+        self.action, self.reason, self.short = "dense", reason, short
         return self
 
     def sparse(self) -> Row:

@@ -84,7 +84,11 @@ class SparseForward:
 
     def _check_decode(self) -> None:
         report = self.state.reports[-1] if self.state.reports else None
-        if (report is not None and report.decode and self.state.method.rewrites
+        short = next((r.reason for r in report.rows if r.short), None) if report is not None else None
+        if short and report.decode:
+            self._warn("short", f"sparse_fx: this decode step keeps dense attention: {short}; "
+                       "see sparse_fx.explain(model)")
+        elif (report is not None and report.decode and self.state.method.rewrites
                 and not any(r.action == "sparse" for r in report.rows)):
             reasons = sorted({r.reason for r in report.rows}) or ["no attention found in the graph"]
             self._warn("dense", f"sparse_fx: no layer runs sparse in this decode step ({'; '.join(reasons)}); "

@@ -130,7 +130,9 @@ def build_configs(model, n: int, s: Settings, device: torch.device) -> list[Conf
     for plan in s.plans:
         dense = sparse_fx.Plan.parse(plan).dense
         for sparsity in [None] if dense else s.sparsities:
-            options = dict(sink=s.sink, local=s.local) if dense else dict(budget=max(1, n // sparsity), sink=s.sink, local=s.local)
+            options = dict(sink=s.sink, local=s.local)
+            if not dense:  # the sparse path at any length (min_context 0): the harness studies it
+                options.update(budget=max(1, n // sparsity), min_context=0)
             probed = sparse_fx.compile(share_weights_copy(model), plan, measure=True, **options)
             sparse_fx.measurements(probed).recall_k = s.recall_k
             plain = probed

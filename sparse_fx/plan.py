@@ -55,6 +55,13 @@ class Plan:
     stay dense under any method; `encoders` is the directory of trained
     signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
 
+    `min_context` keeps dense attention in a decode graph whose static cache is shorter (its
+    length and batch are fixed when the graph is compiled, so the choice costs nothing at run
+    time): "auto" (the default) takes, on CUDA, the cache length from which the plan's method was
+    measured to beat dense attention at the graph's batch (`Method.break_even`), and 0 elsewhere;
+    an int sets the length for every batch (0: always sparse, as the quality harness and
+    calibration run, since they study the sparse path at any length).
+
     `mass` < 1 makes the budget adaptive: per layer, KV head and step, of the `budget` best
     candidates only the fewest whose attention mass reaches that share of all candidates' mass
     are kept (1: always `budget`). Shapes stay static: unused slots hold -1, at the end. See
@@ -73,6 +80,7 @@ class Plan:
     bits: int = 32
     seed: int = 0
     mass: float = 1.0
+    min_context: int | str = "auto"
     dense_layers: tuple[int, ...] = ()
     roles: tuple[str, ...] | str | None = None
     encoders: str | None = None
@@ -97,6 +105,9 @@ class Plan:
         if self.mass < 1 and not handler.takes_mass:
             _fail(f"mass={self.mass} needs a method that estimates attention mass; {self.method!r} does not "
                   f"(valid with mass < 1: {_methods().mass_methods()})")
+        if self.min_context != "auto":
+            _int("min_context", self.min_context, 0,
+                 ' (the static cache length below which decode stays dense) or "auto"')
         if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
             _fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         for i in self.dense_layers:

@@ -4,7 +4,8 @@ Runs on the Dynamo graph of a decode step (one query) inside our backend, before
 every attention it finds (`match.find_sites`) it decides, generically, whether the layer can run
 sparse; the plan's method (`sparse_fx.methods`) then writes the layer's side cache right after
 the KV-cache write and emits the ops that choose the positions, and the SDPA node is replaced by
-`sparse_decode_attention` over them. Whatever cannot be proven stays dense, with the reason.
+`sparse_decode_attention` over them. Whatever cannot be proven stays dense, with the reason; a
+dense layer of plain layout reads the KV heads by SDPA's enable_gqa (Hugging Face's repeat removed).
 
 A Hugging Face model's prefill never comes here (it runs the model's own attention, see
 `forward.py`); another model's multi-token graph does, and keeps its attention dense while the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from . import measure
 from .compiled import CompiledState
@@ -58,16 +60,19 @@ class _Edit:
         role = state.role(site.layer)
         row = Row(layer=site.layer, call_form=site.call_form, role=role)
         if role == "dense":
-            return row.dense(state.dense_reason(site.layer))
+            return self._dense(site, row.dense(state.dense_reason(site.layer)))
         problem = _problem(site)
         if problem:
             return row.dense(problem)
         kv = KVShape.of(meta(site.k_base))
+        short = state.short(kv)
+        if short:
+            return self._dense(site, row.dense(short, short=True))
         problem = self.method.site_problem(role, kv, self.plan)
         if problem:
-            return row.dense(problem)
+            return self._dense(site, row.dense(problem))
         if site.layer in state.unfilled:
-            return row.dense("a compiled prefill graph does not write this layer's side cache")
+            return self._dense(site, row.dense("a compiled prefill graph does not write this layer's side cache"))
         side = self._write_side_cache(site, role, kv, row)
         a = site.args
         self.emit.at(site.node)
@@ -76,17 +81,31 @@ class _Edit:
                           q_heads=meta(site.q).shape[1], side=side, carry=self.carry)
         chosen = self.method.select(self.emit, state, view)
         if chosen.indices is None:
-            return row.dense(chosen.dense_reason)
+            return self._dense(site, row.dense(chosen.dense_reason))
         row.budget = state.budget_text() + chosen.note
         out = self.emit.call(OPS.sparse_decode_attention.default, site.q, site.k_base, site.v_base, chosen.indices,
                              a["scale"], site.mask)
         if state.measurements is not None:
             self.emit.call(measure.record, state.measurements.key, site.layer, site.q, site.k_base, site.v_base,
                            site.mask, chosen.indices, out, a["scale"], chosen.pool, self.plan.window)
+        self._replace(site, out)
+        return row.sparse()
+
+    def _dense(self, site: Site, row: Row) -> Row:
+        """A decode attention that stays dense reads the KV heads through SDPA's enable_gqa, the
+        repeat removed: Hugging Face repeats K and V before a masked SDPA (its form with a static
+        cache), a copy of the cache every step that made dense decode 9.3x slower at 128K, batch 4
+        (`bench/results/decode-2026-11-29-128k.json`, "dense" against "dense-gqa")."""
+        if site.gqa in ("repeat_kv", "repeat_interleave") and _problem(site) is None:
+            a = site.args
+            self.emit.at(site.node)
+            self._replace(site, self.emit.call(gqa_attention, site.q, site.k_base, site.v_base, site.mask, a["scale"]))
+        return row
+
+    def _replace(self, site: Site, out: fx.Node) -> None:
         site.node.replace_all_uses_with(out)
         self.emit.g.erase_node(site.node)
-        self.dead += [a["key"], a["value"]]
-        return row.sparse()
+        self.dead += [site.args["key"], site.args["value"]]
 
     def prefill_site(self, site: Site) -> Row:
         """Several queries (another model's prefill): attention stays dense; the side cache of the
@@ -99,6 +118,9 @@ class _Edit:
         if site.k_write is None or k is None or k.dim() != 4:
             return row.dense("no KV-cache write feeds this attention: its side cache cannot be written")
         kv = KVShape.of(k)
+        short = self.state.short(kv)
+        if short:
+            return row.dense(short, short=True)
         problem = self.method.site_problem(role, kv, self.plan)
         if problem:
             return row.dense(problem)
@@ -129,6 +151,11 @@ class _Edit:
         if mask not in self.starts:  # emitted before this attention, so every later one sees it
             self.starts[mask] = self.emit.call(first_readable, mask, kv.batch, kv.max_len)
         return self.starts[mask]
+
+
+def gqa_attention(q, k, v, mask, scale):
+    """Dense attention of q [B, Hq, 1, D] over the KV heads k, v [B, Hkv, L, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _problem(site: Site) -> str | None:

@@ -136,6 +136,35 @@ def test_repeat_kv_is_never_materialised():
     assert names.count(OPS.signature_write.default) == 3 and names.count(OPS.hash_select.default) == 3
 
 
+@pytest.mark.parametrize("form", ["repeat_kv", "repeat_interleave"])
+def test_a_layer_that_stays_dense_reads_the_kv_heads_without_the_repeat(form):
+    """Dense layers of a decode graph (by the plan, or a cache shorter than min_context) attend by
+    SDPA's enable_gqa over the KV heads, as dense as before: the repeat of the cache is gone."""
+    from sparse_fx.backend import sparse_backend
+    from sparse_fx.rewrite import gqa_attention
+
+    dense = ToyDecoder(form=form)
+    for options in (dict(dense_layers=[0, 1, 2]), dict(min_context=1000)):
+        model = compiled(dense, "hash", budget=4, **options)
+        inner, graphs = sparse_backend(sparse_state(model)), []
+
+        def spy(gm, example_inputs):
+            graphs.append(gm)
+            return inner(gm, example_inputs)
+
+        f = torch.compile(model.forward.original, backend=spy, fullgraph=True)
+        x = torch.randn(1, PREFILL + 1, 64, generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            f(x[:, :PREFILL], torch.arange(PREFILL))
+            got = f(x[:, PREFILL:], torch.tensor([PREFILL]))
+            dense(x[:, :PREFILL], torch.arange(PREFILL))
+            want = dense(x[:, PREFILL:], torch.tensor([PREFILL]))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        names = [n.target for n in graphs[-1].graph.nodes if n.op in ("call_method", "call_function")]
+        assert names.count(gqa_attention) == 3, (options, names)
+        assert not {"expand", "repeat_interleave", torch._C._nn.scaled_dot_product_attention} & set(names), names
+
+
 def test_prism_pool_is_a_graph_edge_from_proposal_to_refined():
     graphs = []
     model = compiled(ToyDecoder(layers=4), "prism-g2", budget=3, sink=1, local=2, rho=2.0, int2_group=8)

@@ -50,6 +50,9 @@ def test_options_override_and_pool():
         ("prism-g4", {"proposal": "int4"}, r"proposal='int4' is not one 'prism' takes; valid: int2, hash"),
         ("hash", {"proposal": "hash"}, r"proposal='hash' is not one 'hash' takes; valid: int2"),
         ("hash-hash", {}, "unknown plan"),
+        ("hash", {"min_context": -1}, r'min_context must be an int >= 0 \(the static cache length .*\) or "auto", got -1'),
+        ("prism-g4", {"min_context": "fast"}, r"min_context must be an int >= 0 .*got 'fast' \(str\)"),
+        ("hash", {"min_context": 1.5}, "min_context must be an int"),
     ],
 )
 def test_bad_plans_raise_naming_valid_choices(name, options, match):
@@ -63,6 +66,9 @@ def test_json_round_trip(tmp_path):
     p.save(path)
     assert Plan.load(path) == p
     assert Plan.parse(str(path)) == p
+    assert p.min_context == "auto" and Plan.parse(str(path), min_context=4096).min_context == 4096
+    Plan.parse("hash", min_context=0).save(path)
+    assert Plan.load(path).min_context == 0
 
 
 @pytest.mark.parametrize("text, match", [

@@ -25,8 +25,8 @@ from sparse_fx.runtime.caches import Shard
 from sparse_fx.runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders
 
 PLANS = ("oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2")
-SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8, backend="eager")
-COVERING = dict(budget=128, sink=2, local=3, rho=2.0, int2_group=8, backend="eager")
+SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8, backend="eager", min_context=0)
+COVERING = dict(budget=128, sink=2, local=3, rho=2.0, int2_group=8, backend="eager", min_context=0)
 
 
 def load(ckpt, sharded):

@@ -27,6 +27,13 @@ if TYPE_CHECKING:
     from ..runtime.caches import KVShape, Spec
 
 OPS = torch.ops.sparse_fx
+# `Method.break_even` tables: the kernel step of one sparse layer against cuDNN (the fastest dense
+# at every shape), Hq 32 / Hkv 8 / D 128 bf16, budget 4096 + 128 + 128, rho 4, on an H200, from
+# bench/results/kernels-2026-12-04-1836.json (`python bench/kernel_step.py --repeat 2 --short
+# --contexts 8192 ... 131072 --batches 1 4 16`; tests/test_plan.py derives the tables from it).
+# A step must be this much faster to count: re-measured on another day, a kernel table has come
+# out 10-20% lower (README), so a thinner edge may not hold.
+PAYS = 1.1
 
 
 @dataclass
@@ -121,6 +128,15 @@ class Method:
     def write(self, emit, state: CompiledState, layer: int, kv: KVShape, side: dict, new_keys, pos) -> None:
         """Write the side cache for the keys `new_keys` [B, Hkv, T, D] just stored at `pos` [T]."""
 
+    # ---------------------------------------------------------------- where it pays
+    def break_even(self, plan: Plan) -> dict[int, int]:
+        """Where this plan's decode step pays, for min_context="auto" on CUDA: {KV rows (batch x KV
+        heads): the shortest static cache from which it was measured at least `PAYS` times as fast
+        as the fastest dense attention} ({}: no rule, every length runs sparse). A graph with rows
+        between two measured counts takes the smaller count's length, and below the fewest, the
+        fewest's (no extrapolation)."""
+        return {}
+
     # ---------------------------------------------------------------- decode
     def site_problem(self, role: str, kv: KVShape, plan: Plan) -> str | None:
         """Why this layer cannot run sparse here (None: it can)."""
@@ -181,6 +197,17 @@ def parse(text: str) -> tuple[str, dict] | None:
 
 def plan_forms() -> str:
     return ", ".join(m.name_forms or m.name for m in _REGISTRY.values())
+
+
+def break_even_points(speedups: dict[int, dict[int, float]]) -> dict[int, int | None]:
+    """A `Method.break_even` table from measurements: {KV rows: {static cache length: speed-up
+    against dense}} -> {KV rows: the shortest length from which every measured longer one is at
+    least `PAYS` times as fast} (None: no measured length is)."""
+    out = {}
+    for rows, speed in sorted(speedups.items()):
+        paying = [n for n in sorted(speed) if all(speed[m] >= PAYS for m in speed if m >= n)]
+        out[rows] = paying[0] if paying else None
+    return out
 
 
 def mass_methods() -> str:

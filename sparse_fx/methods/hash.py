@@ -31,6 +31,9 @@ class Hash(Method):
     def notices(self, state):
         return lsh_notice(state, "hash")
 
+    def break_even(self, plan):
+        return {8: 32768, 32: 16384, 128: 8192}  # measured at 32 bits; 8K is the shortest measured
+
     def side_cache(self, role, kv, plan):
         return signature_cache(plan) if role == "sparse" else {}
 

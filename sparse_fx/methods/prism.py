@@ -171,6 +171,14 @@ class Prism(Method):
         if "codes" in side:
             emit.call(OPS.int2_write.default, side["codes"], side["params"], new_keys, pos)
 
+    def break_even(self, plan):
+        """Measured for prism-g4 and prism-g4-int2refine (the refined layers' ranking is what
+        moves it); signature proposals and `static`, which drops the refined layers' re-score,
+        take the same points unmeasured."""
+        if plan.refine == "int2":
+            return {8: 65536, 32: 32768, 128: 16384}
+        return {8: 65536, 32: 32768, 128: 32768}
+
     def site_problem(self, role, kv, plan):
         return self._int2_problem(kv.head_dim, plan) if "int2" in self._scorers(role, plan) else None
 
