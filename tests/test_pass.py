@@ -140,6 +140,7 @@ def test_repeat_kv_is_never_materialised():
 def test_a_layer_that_stays_dense_reads_the_kv_heads_without_the_repeat(form):
     """Dense layers of a decode graph (by the plan, or a cache shorter than min_context) attend by
     SDPA's enable_gqa over the KV heads, as dense as before: the repeat of the cache is gone."""
+    from sparse_fx.api import _own_frame
     from sparse_fx.backend import sparse_backend
     from sparse_fx.rewrite import gqa_attention
 
@@ -152,7 +153,8 @@ def test_a_layer_that_stays_dense_reads_the_kv_heads_without_the_repeat(form):
             graphs.append(gm)
             return inner(gm, example_inputs)
 
-        f = torch.compile(model.forward.original, backend=spy, fullgraph=True)
+        # Its own code object per compile: the shared one's recompile budget belongs to later tests.
+        f = torch.compile(_own_frame(model.forward.original), backend=spy, fullgraph=True)
         x = torch.randn(1, PREFILL + 1, 64, generator=torch.Generator().manual_seed(4))
         with torch.no_grad():
             f(x[:, :PREFILL], torch.arange(PREFILL))
