@@ -354,3 +354,21 @@ def test_kernel_chain_with_pdl_equals_without(B, L, monkeypatch):
         graph.replay()
         for i, (a, b) in enumerate(zip(outs, expect)):
             assert torch.equal(a, b), f"replay {replay}, output {i}: a kernel read its input before it was written"
+
+
+def test_auto_min_context_keeps_a_short_cache_dense_on_gpu():
+    """The default min_context ("auto") on CUDA: a 128-slot cache is far below every plan's measured
+    break-even, so the compiled model decodes as the dense one (SDPA with enable_gqa over the KV
+    heads), allocates no side cache, and explain says why."""
+    base = model_on_gpu(torch.float32)
+    ids = torch.randint(0, 256, (2, 120), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    dense, _ = decode(base, ids, 100)
+    for plan in ("hash", "prism-g2"):
+        model = sparse_fx.compile(copy.deepcopy(base), plan, mode="default", budget=64, sink=16, local=16)
+        with pytest.warns(UserWarning, match="keeps dense attention"):
+            got, _ = decode(model, ids, 100)
+        for a, b in zip(got, dense):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert sparse_state(model).side_caches.nbytes() == 0
+        report = sparse_fx.explain(model)
+        assert report.sparse_layers == [] and all("min_context" in r.reason for r in report), str(report)
