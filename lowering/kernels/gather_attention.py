@@ -21,9 +21,11 @@ from .common import (
 )
 
 
-# Launch defaults (kernel_tuning's choice on an H200), module constants so a bench can --set them.
-FEW_BLOCK_N, MANY_BLOCK_N = 32, 64  # rows of K/V a step, below / from 64 rows (B x Hkv); head dims <= 128
-FEW_WAVES, MANY_WAVES = 4, 8  # programs per SM the split count aims for
+# Launch defaults, module constants so a bench can --set them: kernel_tuning's best of 48 at each of
+# 32K / 128K x batch 1 / 4 / 16 (bf16, D 128, H100, kernel-tuning-2026-12-05-attention.json) was the
+# same, 128-row tiles in 2 waves: 2-6% under the 32-64-row tiles in 4-8 waves before it.
+TILE_BYTES = 32768  # bytes of a K tile a step: 128 rows of a bf16 128-dim head, 64 of an fp32 one
+ATTN_WAVES = 2  # programs per SM the split count aims for
 ATTN_WARPS = 4
 
 
@@ -39,6 +41,10 @@ def _attn_tile(
     valid = idx >= 0
     d = tl.arange(0, D)
     kt = tl.load(k_row + idx[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+    # V's gather is issued beside K's, before the logits need K: one memory latency a tile, not two
+    # (at few rows a program walks 1-4 tiles, so nothing else hides the second).
+    dv = tl.arange(0, DV)
+    vt = tl.load(v_row + idx[:, None] * svl + dv[None, :] * svd, mask=valid[:, None], other=0.0)
     s = dot(q, tl.trans(kt), DOT_PRECISION, UPCAST) * sm_scale  # [G_PAD, BLOCK_N] fp32
     s = tl.where(valid[None, :], s, float("-inf"))
     if HAS_MASK:
@@ -56,8 +62,6 @@ def _attn_tile(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    dv = tl.arange(0, DV)
-    vt = tl.load(v_row + idx[:, None] * svl + dv[None, :] * svd, mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT_PRECISION, UPCAST)
     return m_new, l_i, acc
 
@@ -193,7 +197,7 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
     """softmax(q k[idx]^T * scale + mask[idx]) v[idx] per KV head: [B,Hq,1,Dv] in q's dtype.
 
     block_n / warps / stages / waves (programs per SM the split count aims for) / max_splits are
-    tuning knobs; unset, they take bench/kernel_tuning.py's choice on an H200 for the row count."""
+    tuning knobs; unset, they take the module constants above (bench/kernel_tuning.py's choice)."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     DV = v.shape[-1]
@@ -204,10 +208,9 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
         return torch.zeros(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     out = torch.empty(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     sm_scale = D**-0.5 if scale is None else float(scale)
-    many = R >= 64  # enough rows to fill the GPU with few splits
-    BLOCK_N = block_n or ((MANY_BLOCK_N if many else FEW_BLOCK_N) if max(D, DV) <= 128 else 32)
+    BLOCK_N = block_n or min(128, max(16, TILE_BYTES // (max(D, DV) * q.element_size())))
     stages = stages or (2 if BLOCK_N >= 64 else 3)
-    waves = waves or (MANY_WAVES if many else FEW_WAVES)
+    waves = waves or ATTN_WAVES
     warps = warps or ATTN_WARPS
     G_PAD = max(16, pow2(G))
     blocks = triton.cdiv(NIDX, BLOCK_N)
