@@ -24,7 +24,8 @@ from .common import (
 # Launch defaults, module constants so a bench can --set them: kernel_tuning's best of 48 at each of
 # 32K / 128K x batch 1 / 4 / 16 (bf16, D 128, H100, kernel-tuning-2026-12-05-attention.json) was the
 # same, 128-row tiles in 2 waves: 2-6% under the 32-64-row tiles in 4-8 waves before it.
-TILE_BYTES = 32768  # bytes of a K tile a step: 128 rows of a bf16 128-dim head, 64 of an fp32 one
+TILE_BYTES = 32768  # bytes of a K tile a step: 128 rows of a bf16 128-dim head, 64 of a 256-dim one
+MAX_ROWS, FP32_MAX_ROWS = 128, 64  # fp32 operands at 128 rows spill on sm_90 (tests/test_op_compile.py)
 ATTN_WAVES = 2  # programs per SM the split count aims for
 ATTN_WARPS = 4
 
@@ -208,7 +209,8 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
         return torch.zeros(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     out = torch.empty(B, Hq, 1, DV, dtype=q.dtype, device=q.device)
     sm_scale = D**-0.5 if scale is None else float(scale)
-    BLOCK_N = block_n or min(128, max(16, TILE_BYTES // (max(D, DV) * q.element_size())))
+    rows = FP32_MAX_ROWS if q.element_size() >= 4 else MAX_ROWS
+    BLOCK_N = block_n or min(rows, max(16, TILE_BYTES // (max(D, DV) * q.element_size())))
     stages = stages or (2 if BLOCK_N >= 64 else 3)
     waves = waves or ATTN_WAVES
     warps = warps or ATTN_WARPS
