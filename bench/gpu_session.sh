@@ -11,6 +11,8 @@
 #   bash bench/gpu_session.sh e2e-b1   # ~8 min: the same at batch 1 (a cold compile takes 100-130 s a plan,
 #                                      #   so a stage holds dense and three plans at most)
 #   bash bench/gpu_session.sh e2e-adaptive  # ~7 min: dense and prism-g4-mass0.95 at batch 1 and 4
+#   bash bench/gpu_session.sh short    # ~8 min: caches short of the break-even, min_context 'auto' (dense
+#                                      #   kept) against 0 (sparse forced): 32K batch 1, 16K batch 4
 #   bash bench/gpu_session.sh compile  # ~6 min: cold compile time by phase (bench/compile_time.py)
 #   bash bench/gpu_session.sh tests    # ~9 min: tests/test_gpu.py
 #
@@ -46,11 +48,16 @@ case "${1:-}" in
   e2e-adaptive)
     run python3 bench/decode_speed.py --shapes 131072x1,131072x4 --methods dense-gqa,prism-g4-mass0.95 --repeat 2 \
       --out "$out" 2>&1 | tail -8 ;;
+  short)
+    for mc in auto 0; do
+      run python3 bench/decode_speed.py --shapes 32768x1,16384x4 --methods dense-gqa,prism-g4 --min-context $mc \
+        --repeat 2 --out "$out/min-context-$mc" 2>&1 | tail -6
+    done ;;
   compile)
     run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6 ;;
   tests)
     run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15 ;;
   *)
-    sed -n '2,15p' "$0"
+    sed -n '2,17p' "$0"
     exit 2 ;;
 esac
