@@ -204,8 +204,8 @@ def test_cli_trains_and_saves_smollm2_encoders(tmp_path):
        bias=st.booleans(), seed=st.integers(0, 2**16))
 @example(B=2, H=2, T=2, widths=[2, 2], bias=False, seed=0)  # x's own reshape has a weight-copy's shape
 def test_head_mlp_equals_each_rows_layers_in_fp64_and_copies_no_weight_per_batch_row(B, H, T, widths, bias, seed):
-    """apply_head_mlp runs head h's layers on every (batch, token) row; no tensor it makes is as large as
-    a weight repeated over the batch (torch.matmul's broadcast of w[None] once cloned them all)."""
+    """apply_head_mlp runs head h's layers on every (batch, token) row; no tensor it makes is a weight
+    repeated over the batch (torch.matmul's broadcast of w[None] once cloned them all)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from sparse_fx.runtime.encoders import apply_head_mlp
