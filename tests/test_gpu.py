@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 OPTIONS = dict(budget=64, sink=16, local=16, rho=2.0, min_context=0)  # short caches: run the sparse path anyway
 # launches per decode step of the 4-layer model, by the Triton kernel that runs each stage
 KERNELS = {
-    # (8-bit keys over short rows: one 256-bin level, no level pass; select.hash_level_bits)
+    # (8-bit keys over short rows: one 256-bin level, no level pass; select.hash_levels)
     "hash": {"_pack_kernel": 4, "_hash_keys_kernel": 4, "_select_kernel": 4, "_sparse_attn_kernel": 4},
     # layers 0, 2 propose (INT2 write, scan, the pool and its budget in one selection), 1, 3 refine (mass over the pool, one selection)
     "prism-g2": {"_int2_write_kernel": 2, "_int2_scores_kernel": 2, "_score_keys_kernel": 4, "_select_kernel": 4,

@@ -363,20 +363,22 @@ def test_hash_select_takes_everything_when_the_budget_covers_the_row():
     assert (out[..., 8 + 293 :] == -1).all()
 
 
-@pytest.mark.parametrize("L", [200, 2112])
-def test_hash_select_in_one_level_where_chunks_are_short(L):
+@pytest.mark.parametrize("L,waves,levels", [(200, 8, (8, 32)), (2112, 8, (4, None)), (1056, 16, (8, 33)), (1056, 8, (4, None))])
+def test_hash_select_in_one_level_where_chunks_are_short(L, waves, levels):
     """Unset, hash_select counts 8-bit keys in one 256-bin level where a program's chunk is at most
-    HASH_ONE_LEVEL_BLOCKS blocks (no level pass), else in two 16-bin levels: the same list either way."""
-    from sparse_fx.lowering.kernels.select import HASH_ONE_LEVEL_BLOCKS, hash_level_bits
+    HASH_ONE_LEVEL_BLOCKS blocks (no level pass), else in two 16-bin levels: the same list either way.
+    Blocks of 8 keys on the interpreter's 4 SMs: 25 over 25 programs; 264 over 32 (HASH_WIDE_CAP), 9
+    a chunk; 132, a few past 32 x 4, over 33 programs where `waves` leaves room for them (a cache
+    allocated a little past 128K), else over 32 in chunks of 5."""
+    from sparse_fx.lowering.kernels.select import HASH_ONE_LEVEL_BLOCKS, HASH_STRETCH_CAP, hash_levels
 
-    g = gen(35 + L)
+    g = gen(35 + L + waves)
     pos = torch.tensor([L - 20], device=DEV)
     q_logits = torch.randn(1, 4, 32, generator=g).to(DEV)
     k_sig = torch.randint(-(2**31), 2**31 - 1, (1, 1, L, 1), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
-    # blocks of 8 keys: 25 over 25 programs, or 264 over 32 (HASH_WIDE_CAP), 9 a chunk
-    assert HASH_ONE_LEVEL_BLOCKS < 9 and hash_level_bits(1, L, 8, 8, 8, k_sig.device) == {200: 8, 2112: 4}[L]
-    assert hash_level_bits(1, L, 16, 8, 8, k_sig.device) == 4  # 16-bit keys: never one level
-    out = K.hash_select(q_logits, k_sig, pos, 60, 8, 8, block=8, waves=8).cpu()
+    assert HASH_ONE_LEVEL_BLOCKS == 4 and HASH_STRETCH_CAP >= 33 and hash_levels(1, L, 8, 8, waves, k_sig.device) == levels
+    assert hash_levels(1, L, 16, 8, waves, k_sig.device) == (4, None)  # 16-bit keys: never one level
+    out = K.hash_select(q_logits, k_sig, pos, 60, 8, 8, block=8, waves=waves).cpu()
     assert torch.equal(out, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 60, 8, 8))
 
 

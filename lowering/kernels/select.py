@@ -80,7 +80,8 @@ HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
 # two 16-bin levels: one level saves the level pass, but its 256-bin histogram costs more a block
 # than the packed 16-bin counts. H200 (bench/NOTES.md, hash in one level): one level is 6-13% faster
 # at 32K (batch 1-16) and at 128K batch 1 and 4 (chunks of 4 blocks), 3% slower at 128K batch 16 (8).
-HASH_WIDE_CAP, HASH_ONE_LEVEL_BLOCKS = 32, 4
+# Up to HASH_STRETCH_CAP programs a row where a few blocks past 32 x 4 would make chunks of 5.
+HASH_WIDE_CAP, HASH_ONE_LEVEL_BLOCKS, HASH_STRETCH_CAP = 32, 4, 40
 SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3}
 
 
@@ -858,14 +859,19 @@ def hash_select_supported(q_logits, k_sig, pos, k, sink, local, mask=None, start
     )
 
 
-def hash_level_bits(R: int, N: int, key_bits: int, block: int, waves: int, device: torch.device) -> int:
-    """Bits a radix level of hash_select's keys: 8 (one level) for 8-bit keys whose chunks stay
-    short at HASH_WIDE_CAP programs a row, else HASH_LEVEL_BITS."""
+def hash_levels(R: int, N: int, key_bits: int, block: int, waves: int, device: torch.device) -> tuple[int, int | None]:
+    """(bits a radix level of hash_select's keys, programs a row at most): one 8-bit level for 8-bit
+    keys where chunks of at most HASH_ONE_LEVEL_BLOCKS blocks take at most HASH_WIDE_CAP programs a
+    row, or up to HASH_STRETCH_CAP where the GPU has room for them: a cache allocated a little past
+    its prompt (generate() sizes it prompt + max_new_tokens: 128K + 256 is 129 blocks) would
+    otherwise fall to two levels. Else HASH_LEVEL_BITS, with plan_programs' cap."""
     if key_bits == 8:
-        progs = plan_programs(R, N, device, block, waves, 8, HASH_WIDE_CAP)
-        if triton.cdiv(triton.cdiv(max(N, 1), block), progs) <= HASH_ONE_LEVEL_BLOCKS:
-            return 8
-    return HASH_LEVEL_BITS
+        blocks = triton.cdiv(max(N, 1), block)
+        need = triton.cdiv(blocks, HASH_ONE_LEVEL_BLOCKS)
+        cap = HASH_WIDE_CAP if need <= HASH_WIDE_CAP else min(need, HASH_STRETCH_CAP)
+        if triton.cdiv(blocks, plan_programs(R, N, device, block, waves, 8, cap)) <= HASH_ONE_LEVEL_BLOCKS:
+            return 8, cap
+    return HASH_LEVEL_BITS, None
 
 
 def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, block=None, warps=4,
@@ -886,8 +892,11 @@ def hash_select(q_logits, k_sig, pos, k, sink, local, mask=None, start=None, *, 
     if R == 0:
         return out if k_inner is None else (out, out_in)
     key_bits = 16 if G * WORD_BITS * W + 1 > 255 else 8  # similarity + 1
-    level_bits = level_bits or hash_level_bits(R, N, key_bits, block, waves, dev)
-    cap = cap or (HASH_WIDE_CAP if level_bits == 8 else None)
+    if level_bits is None:
+        level_bits, auto_cap = hash_levels(R, N, key_bits, block, waves, dev)
+    else:
+        auto_cap = HASH_WIDE_CAP if level_bits == 8 else None
+    cap = cap or auto_cap
     pos = pos[-1:]
     progs = plan_programs(R, N, dev, block, waves, level_bits, cap)
     keys = torch.empty(R, N, dtype=torch.int16 if key_bits == 16 else torch.uint8, device=dev)
