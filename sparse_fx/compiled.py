@@ -49,7 +49,7 @@ class CompiledState:
     unfilled: set[int] = field(default_factory=set)  # layers a compiled prefill graph cannot write
 
     def __post_init__(self) -> None:
-        dense = set(self.plan.dense_layers) | set(self.info.sliding_layers)
+        dense = set(self.plan.dense_layers) | set(self.info.local)
         bad = sorted(i for i in self.plan.dense_layers if i >= self.info.num_layers)
         if bad:
             raise ValueError(f"sparse_fx: dense_layers holds layers {bad} but the model has {self.info.num_layers} "
@@ -63,8 +63,8 @@ class CompiledState:
     def dense_reason(self, layer: int) -> str:
         if not 0 <= layer < len(self.roles):
             return f"layer index {layer} is outside the model's {len(self.roles)} layers"
-        if layer in self.info.sliding_layers:
-            return "sliding-window layer (already local attention)"
+        if layer in self.info.local:
+            return self.info.local[layer]
         if layer in self.plan.dense_layers:
             return "dense_layers option"
         return f"plan {self.plan.name} keeps this layer dense"
@@ -155,7 +155,7 @@ class CompiledState:
             if role == "dense" or getattr(layer, "is_sliding", False) or not getattr(layer, "is_initialized", False):
                 continue
             kv = KVShape.of(layer.keys)
-            if self.short(kv):
+            if self.info.cache_problem(kv) or self.short(kv):
                 continue
             specs = self.method.side_cache(role, kv, self.plan)
             if specs:

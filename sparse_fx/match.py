@@ -51,6 +51,7 @@ class Site:
     sliced: bool = False  # attention reads a length slice of the cache, not all of it
     k_write: CacheWrite | None = None
     v_write: CacheWrite | None = None
+    keys_from_cache: bool = False  # no write feeds the keys, but they are computed from a written cache
 
     @property
     def q(self) -> fx.Node:
@@ -107,6 +108,7 @@ def find_sites(gm: fx.GraphModule) -> list[Site]:
         site.gqa = "enable_gqa" if args["enable_gqa"] and gqa_k == "mha" else gqa_k if gqa_k == gqa_v else "mixed"
         site.k_write = _last_write_before(writes.get(site.k_base), order, node)
         site.v_write = _last_write_before(writes.get(site.v_base), order, node)
+        site.keys_from_cache = site.k_write is None and _reads_written_cache(site.k_base, writes)
         sites.append(site)
     return sites
 
@@ -209,3 +211,18 @@ def _cache_writes(graph: fx.Graph) -> dict[fx.Node, list[CacheWrite]]:
 def _last_write_before(writes: list[CacheWrite] | None, order: dict, node: fx.Node) -> CacheWrite | None:
     before = [w for w in writes or () if order[w.node] < order[node]]
     return before[-1] if before else None
+
+
+def _reads_written_cache(node, writes: dict) -> bool:
+    """Whether `node` is computed from a tensor that a cache write stores into (multi-head latent
+    attention recomputes its keys from the compressed latents its cache holds)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        if n in writes:
+            return True
+        seen.add(n)
+        stack += n.all_input_nodes
+    return False

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime.caches import Shard
+from .runtime.caches import KVShape, Shard
 
 SDPA = "sdpa"
 
@@ -44,8 +44,8 @@ class ModelInfo:
     q_heads: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
-    sliding_layers: frozenset[int] = frozenset()
-    mla: bool = False  # keys and values of different widths (multi-head latent attention)
+    local_layers: tuple[tuple[int, str], ...] = ()  # (layer, kind) of each local-attention layer
+    mla: bool = False  # multi-head latent attention: keys and values of different widths
     shard: Shard = Shard()  # the heads this rank holds (head counts above are the whole model's)
 
     @classmethod
@@ -57,9 +57,11 @@ class ModelInfo:
         types = getattr(text, "layer_types", None)
         if types is None and isinstance(getattr(text, "sliding_window", None), int):
             types = ["sliding_attention"] * layers  # e.g. Mistral: one window for every layer
-        sliding = frozenset(i for i, t in enumerate(types or ()) if "sliding" in str(t) or "local" in str(t))
+        local = tuple((i, kind) for i, t in enumerate(types or ()) if (kind := local_kind(t)))
         q_heads = getattr(text, "num_attention_heads", None)
-        head_dim = getattr(text, "head_dim", None)
+        mla = isinstance(getattr(text, "qk_head_dim", None), int)
+        # MLA configs' head_dim is the rotary part of a query/key head; the attention reads qk_head_dim
+        head_dim = text.qk_head_dim if mla else getattr(text, "head_dim", None)
         if not isinstance(head_dim, int):
             hidden = getattr(text, "hidden_size", None)
             head_dim = hidden // q_heads if isinstance(hidden, int) and isinstance(q_heads, int) and q_heads else None
@@ -68,8 +70,23 @@ class ModelInfo:
         if shard.size > 1 and (not kv_heads or kv_heads % shard.size):
             raise ValueError(f"sparse_fx: tensor parallelism over {shard.size} ranks needs KV heads divisible by it, "
                              f"the model has {kv_heads}")
-        return cls(getattr(text, "model_type", type(model).__name__), layers, q_heads, kv_heads, head_dim, sliding,
-                   getattr(text, "qk_head_dim", None) is not None, shard)
+        return cls(getattr(text, "model_type", type(model).__name__), layers, q_heads, kv_heads, head_dim, local, mla, shard)
+
+    @property
+    def local(self) -> dict[int, str]:
+        """{layer: why it is local} for the layers whose attention is already local."""
+        return dict(self.local_layers)
+
+    def cache_problem(self, kv: KVShape) -> str | None:
+        """Why a cache layer of shape `kv` does not store the attention's keys, so that no side cache
+        can describe them (None: it does: this rank's KV heads, or all of them, of the attention's
+        head dim). Multi-head latent attention caches hold compressed latents instead (DeepSeek-V3:
+        one 'head' of kv_lora_rank channels), from which the keys are recomputed every step."""
+        heads_ok = self.kv_heads is None or kv.kv_heads in (self.kv_heads, self.kv_heads // self.shard.size)
+        if heads_ok and (self.head_dim is None or kv.head_dim == self.head_dim):
+            return None
+        return (f"the KV cache stores {kv.kv_heads} head(s) of {kv.head_dim} channels a token, not the attention's "
+                f"{self.kv_heads} KV heads of {self.head_dim}: it does not hold the keys the attention reads")
 
     def fingerprint(self, model: torch.nn.Module) -> dict:
         """Shapes and a sample of the weights: what trained encoders must match."""
@@ -96,6 +113,16 @@ def weights_sample(model: torch.nn.Module, per_param: int = 4) -> list[float]:
             idx = torch.tensor([j * (flat.numel() - 1) // max(n - 1, 1) for j in range(n)], device=flat.device)
             out += [float(f"{v:.6g}") for v in flat[idx].float().tolist()]
     return out
+
+
+def local_kind(layer_type) -> str | None:
+    """Why a layer of this `config.layer_types` entry is dense by design (None: global attention)."""
+    t = str(layer_type)
+    if "chunked" in t:
+        return "chunked local attention (each token attends within its chunk only)"
+    if "sliding" in t or "local" in t:
+        return "sliding-window layer (already local attention)"
+    return None
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:

@@ -65,6 +65,9 @@ class _Edit:
         if problem:
             return row.dense(problem)
         kv = KVShape.of(meta(site.k_base))
+        problem = state.info.cache_problem(kv)
+        if problem:
+            return self._dense(site, row.dense(problem))
         short = state.short(kv)
         if short:
             return self._dense(site, row.dense(short, short=True))
@@ -118,6 +121,9 @@ class _Edit:
         if site.k_write is None or k is None or k.dim() != 4:
             return row.dense("no KV-cache write feeds this attention: its side cache cannot be written")
         kv = KVShape.of(k)
+        problem = self.state.info.cache_problem(kv)
+        if problem:
+            return row.dense(problem)
         short = self.state.short(kv)
         if short:
             return row.dense(short, short=True)
@@ -170,6 +176,9 @@ def _problem(site: Site) -> str | None:
         return "keys and values are not plain [B, H, L, D] tensors behind the same head layout"
     if k.dim() != 4 or q.dim() != 4 or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3]:
         return f"unsupported head layout q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
+    if site.keys_from_cache:
+        return ("the keys are recomputed from the KV cache every step, not stored in it (multi-head latent "
+                "attention caches compressed latents): there are no stored keys to select among")
     if site.k_write is None or site.v_write is None:
         return "no KV-cache write (index_copy_ or indexed assignment) feeds this attention; use a StaticCache"
     if site.sliced:

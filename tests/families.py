@@ -23,6 +23,15 @@ FAMILIES = {
     "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    # chunked local layers (one in two here) beside global ones, and mixture-of-experts MLPs
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"head_dim": 16, "attention_chunk_size": 8,
+                                                         "no_rope_layer_interval": 2, "num_local_experts": 2,
+                                                         "intermediate_size_mlp": 128}),
+    # multi-head latent attention: the cache holds compressed latents; q/k heads 48 + 16 wide, v 32
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 48, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+        "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "num_key_value_heads": 4}),
 }
 
 
@@ -39,8 +48,8 @@ def tiny_model(family: str, layers: int = 4, heads: int = 4, kv_heads: int = 2, 
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
-        **extra,
     )
+    fields.update(extra)
     fields.update(overrides)
     config_class = getattr(transformers, config_name)
     if not hasattr(config_class(), "num_key_value_heads"):
