@@ -131,38 +131,79 @@ class SignatureEncoders:
 
     @classmethod
     def load(cls, path) -> SignatureEncoders:
+        """Encoders saved by `save`; any malformed file is a ValueError naming the file and the field."""
         import json
         from pathlib import Path
-
-        from safetensors.torch import load_file
 
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"sparse_fx: encoders must be a directory holding encoders.json + encoders.safetensors "
                              f"(sparse_fx.train_signatures(...).save(dir)); {str(path)!r} is not a directory")
         files = [path / "encoders.json", path / "encoders.safetensors"]
-        if not all(f.exists() for f in files):
+        if not all(f.is_file() for f in files):
             raise ValueError(f"sparse_fx: {str(path)!r} holds no signature encoders (encoders.json + encoders.safetensors)")
         try:
             meta = json.loads(files[0].read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"sparse_fx: {str(files[0])!r} is not valid JSON: {e}") from None
         fields = ("bits", "fingerprint", "metadata")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or any(f not in meta for f in fields):
             raise ValueError(f"sparse_fx: {str(files[0])!r} is not a {FORMAT} file (needs format, {', '.join(fields)})")
-        try:
-            tensors = load_file(str(files[1]))
-            layers = []
-            for i in range(meta["fingerprint"]["num_layers"]):
-                sides = []
-                for side in ("q", "k"):
-                    n = sum(1 for name in tensors if name.startswith(f"{i}.{side}.w"))
-                    sides.append(HeadMLP([tensors[f"{i}.{side}.w{j}"] for j in range(n)],
-                                         [tensors.get(f"{i}.{side}.b{j}") for j in range(n)]))
-                layers.append(LayerEncoders(query=sides[0], key=sides[1]))
-        except (KeyError, TypeError, OSError, RuntimeError) as e:
-            raise ValueError(f"sparse_fx: {str(files[1])!r} does not hold the encoders {str(files[0])!r} describes: {e}") from None
-        return cls(layers, meta["bits"], meta["fingerprint"], meta["metadata"])
+        bits, fingerprint, metadata = (meta[f] for f in fields)
+        _expect(files[0], "bits", bits, isinstance(bits, int) and not isinstance(bits, bool) and bits >= 32 and bits % 32 == 0,
+                "a positive multiple of 32")
+        _expect(files[0], "fingerprint", fingerprint, isinstance(fingerprint, dict), "an object")
+        layers = fingerprint.get("num_layers")
+        _expect(files[0], "fingerprint.num_layers", layers,
+                isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1, "an int >= 1")
+        _expect(files[0], "metadata", metadata, isinstance(metadata, dict), "an object")
+        _expect(files[0], "metadata.train_config", metadata.get("train_config", {}),
+                isinstance(metadata.get("train_config", {}), dict), "an object")
+        tensors = _read_safetensors(files[1])
+        heads = {"q": fingerprint.get("q_heads"), "k": fingerprint.get("kv_heads")}
+        width = fingerprint.get("head_dim")
+        out = []
+        for i in range(layers):
+            sides = [_head_mlp(files[1], tensors, f"{i}.{side}", heads[side], width, bits) for side in ("q", "k")]
+            out.append(LayerEncoders(query=sides[0], key=sides[1]))
+        return cls(out, bits, fingerprint, metadata)
+
+
+def _expect(file, field: str, value, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"sparse_fx: {str(file)!r}: {field} must be {what}, got {value!r}")
+
+
+def _read_safetensors(file) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as e:  # safetensors raises its own error type for truncated, empty or foreign files
+        raise ValueError(f"sparse_fx: {str(file)!r} is not a readable safetensors file: {e}") from None
+
+
+def _head_mlp(file, tensors: dict, prefix: str, heads, width, bits: int) -> HeadMLP:
+    """One side's per-head MLP, tensors `{prefix}.w0`, `{prefix}.b0`, ...: [H, in, out] weights that
+    chain from the head dim to `bits`, [H, out] biases."""
+    n = 0
+    while f"{prefix}.w{n}" in tensors:
+        n += 1
+    if n == 0:
+        raise ValueError(f"sparse_fx: {str(file)!r} has no tensor {prefix}.w0 (the fingerprint's num_layers asks for it)")
+    weights, biases = [tensors[f"{prefix}.w{j}"] for j in range(n)], [tensors.get(f"{prefix}.b{j}") for j in range(n)]
+    H = heads if isinstance(heads, int) else weights[0].shape[0]
+    last = width if isinstance(width, int) else None
+    for j, (w, b) in enumerate(zip(weights, biases)):
+        want_in = "?" if last is None else last
+        _expect(file, f"{prefix}.w{j}", tuple(w.shape), w.dim() == 3 and w.is_floating_point() and w.shape[0] == H
+                and (last is None or w.shape[1] == last), f"a float tensor [heads {H}, in {want_in}, out]")
+        last = w.shape[2]
+        if b is not None:
+            _expect(file, f"{prefix}.b{j}", tuple(b.shape), b.is_floating_point() and tuple(b.shape) == (H, last),
+                    f"a float tensor [{H}, {last}]")
+    _expect(file, f"{prefix}.w{n - 1}", tuple(weights[-1].shape), last == bits, f"of {bits} outputs (the file's bits)")
+    return HeadMLP(weights, biases)
 
 
 class Encoders:

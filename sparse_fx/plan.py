@@ -87,6 +87,9 @@ class Plan:
     note: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("method", "proposal", "refine", "note"):
+            if not isinstance(getattr(self, name), str):
+                _fail(f"{name} must be a string, got {getattr(self, name)!r}")
         handler = _methods().get(self.method)
         _int("budget", self.budget, 1, " (tokens chosen by score)")
         _int("sink", self.sink, 0)
@@ -108,13 +111,14 @@ class Plan:
         if self.min_context != "auto":
             _int("min_context", self.min_context, 0,
                  ' (the static cache length below which decode stays dense) or "auto"')
-        if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
+        if not isinstance(self.dense_layers, (list, tuple, set, frozenset, range)):
             _fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         for i in self.dense_layers:
             _int("dense_layers entries", i, 0, " (layer indices; negative ones are not taken)")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
         if self.roles is not None and self.roles != "uniform":
-            if isinstance(self.roles, (str, bytes)) or not all(isinstance(r, str) for r in self.roles):
+            if (isinstance(self.roles, (str, bytes)) or not isinstance(self.roles, (list, tuple))
+                    or not all(isinstance(r, str) for r in self.roles)):
                 _fail(f"roles must be a list of layer roles (strings) or \"uniform\", got {self.roles!r}")
             object.__setattr__(self, "roles", tuple(self.roles))
         if self.encoders is not None and not isinstance(self.encoders, (str, Path)):

@@ -191,6 +191,69 @@ def test_bad_encoder_files_name_the_file(tmp_path):
         sparse_fx.compile(model, "hash", encoders=tmp_path / "..", backend="eager")
 
 
+def _lsh_encoders(model, path):
+    """Saved encoders for `model` (random projections, no training): a valid directory to corrupt."""
+    from sparse_fx.model_info import ModelInfo
+    from sparse_fx.runtime.encoders import lsh_layer
+
+    info = ModelInfo.of(model)
+    layers = [lsh_layer(info.q_heads, info.kv_heads, info.head_dim, 32, seed=i) for i in range(info.num_layers)]
+    sparse_fx.SignatureEncoders(layers, 32, info.fingerprint(model), {"train_config": {}}).save(path)
+
+
+def _rewrite_tensors(path, change):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "encoders.safetensors"))
+    change(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "encoders.safetensors"))
+
+
+BAD_TENSORS = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]),
+    "garbage": lambda p: p.write_bytes(b"\x89 not a safetensors file" * 10),
+    "empty": lambda p: p.write_bytes(b""),
+}
+BAD_LAYOUTS = {  # (change to the tensors, the tensor the error names)
+    "missing": (lambda t: t.pop("1.k.w0"), "1.k.w0"),
+    "wrong input width": (lambda t: t.update({"0.q.w0": t["0.q.w0"][:, :8]}), "0.q.w0"),
+    "wrong heads": (lambda t: t.update({"1.k.w0": t["1.k.w0"][:1]}), "1.k.w0"),
+    "wrong bits": (lambda t: t.update({"0.k.w0": t["0.k.w0"][..., :16]}), "0.k.w0"),
+    "integer weights": (lambda t: t.update({"0.q.w0": t["0.q.w0"].int()}), "0.q.w0"),
+    "bias of another width": (lambda t: t.update({"0.q.b0": torch.zeros(4, 7)}), "0.q.b0"),
+}
+BAD_JSON = {  # (field, value)
+    "bits as a string": ("bits", "32"),
+    "bits not a multiple of 32": ("bits", 33),
+    "bits a bool": ("bits", True),
+    "fingerprint a list": ("fingerprint", []),
+    "metadata a list": ("metadata", []),
+    "train_config a list": ("metadata", {"train_config": []}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TENSORS) + sorted(BAD_LAYOUTS) + sorted(BAD_JSON))
+def test_every_malformed_encoders_file_is_a_value_error_naming_file_and_field(case, tmp_path):
+    model = tiny_model("llama", layers=2)
+    _lsh_encoders(model, tmp_path)
+    sparse_fx.compile(model, "hash", encoders=tmp_path, backend="eager")  # the untouched files load
+    if case in BAD_TENSORS:
+        BAD_TENSORS[case](tmp_path / "encoders.safetensors")
+        file, field = "encoders.safetensors", "safetensors"
+    elif case in BAD_LAYOUTS:
+        change, field = BAD_LAYOUTS[case]
+        _rewrite_tensors(tmp_path, change)
+        file = "encoders.safetensors"
+    else:
+        key, value = BAD_JSON[case]
+        meta = json.loads((tmp_path / "encoders.json").read_text())
+        (tmp_path / "encoders.json").write_text(json.dumps(meta | {key: value}))
+        file, field = "encoders.json", "train_config" if case == "train_config a list" else key
+    with pytest.raises(ValueError) as e:
+        sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")
+    assert str(tmp_path / file) in str(e.value) and field in str(e.value), str(e.value)
+
+
 def test_dense_layers_beyond_the_model_are_refused():
     with pytest.raises(ValueError, match=r"dense_layers holds layers \[7\] but the model has 2 layers \(valid: 0..1\)"):
         sparse_fx.compile(tiny_model("llama", layers=2), "hash", dense_layers=[7], backend="eager")

@@ -1,6 +1,9 @@
 """Plans: names, options, validation, JSON files. Every bad argument or file is a ValueError that
 names it and the valid choices."""
 
+import dataclasses
+import json
+
 import pytest
 
 from sparse_fx import Plan
@@ -163,3 +166,30 @@ def test_bad_mass_is_rejected_naming_the_valid_range(mass):
 def test_mass_on_a_method_without_an_estimate_and_bad_mass_names(name, options, match):
     with pytest.raises(ValueError, match=match):
         Plan.parse(name, **options)
+
+
+WRONG_VALUES = [5, -3, 1.5, True, "x", "", [], [1, "a"], {}, {"a": 1}, None]
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Plan)])
+def test_every_field_of_a_plan_file_with_a_wrong_value_is_a_value_error_naming_file_and_field(field, tmp_path):
+    """Each plan field set to values of every JSON type: the file loads or raises a ValueError that
+    names the file and the field (never a TypeError or AttributeError from inside); so does
+    Plan.parse with the value as an option."""
+    path = tmp_path / "plan.json"
+    for value in WRONG_VALUES:
+        path.write_text(json.dumps(Plan.parse("prism-g4", roles=("proposal", "refined")).to_dict() | {field: value}))
+        try:
+            Plan.load(path)
+        except ValueError as e:
+            assert str(path) in str(e) and field in str(e), (value, str(e))
+        if field not in ("method", "note"):
+            try:
+                Plan.parse("prism-g4", **{field: value})
+            except ValueError as e:
+                assert field in str(e), (value, str(e))
+
+
+def test_roles_of_the_wrong_type_are_named():
+    with pytest.raises(ValueError, match="roles must be a list of layer roles"):
+        Plan.parse("prism-g4", roles=5)
