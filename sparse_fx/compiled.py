@@ -83,10 +83,16 @@ class CompiledState:
                            f"(this graph: batch {kv.batch} x {kv.kv_heads} KV heads); min_context=0 forces sparse")
 
     def short(self, kv: KVShape | None) -> str | None:
-        """Why a decode graph on `kv` keeps dense attention in every layer by the plan's
-        min_context (None: it may run sparse). Such a graph also keeps no side caches."""
+        """Why a decode graph on `kv` keeps dense attention in every layer by the plan itself (None: it
+        may run sparse): its static cache is shorter than the plan's min_context, or the budget with
+        the sink and local window covers the whole cache, so there is no selection to make (and the
+        selection's size, its cost, is bounded by the cache). Such a graph keeps no side caches."""
         if kv is None:
             return None
+        p = self.plan
+        if p.window + p.budget >= kv.max_len:
+            return (f"budget {p.budget} + sink {p.sink} + local {p.local} cover the whole static cache of {kv.max_len} "
+                    "tokens: no selection to make")
         need, source = self.min_context(kv)
         if kv.max_len >= need:
             return None

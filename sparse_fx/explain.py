@@ -31,7 +31,7 @@ class Row:
     budget: str = "-"
     side_cache: str = "-"
     side_cache_bytes: int = 0
-    short: bool = False  # dense because the plan's min_context asks it there, not for want of support
+    short: bool = False  # dense because the plan asks it there (min_context, a covering budget), not for want of support
 
     def dense(self, reason: str, short: bool = False) -> Row:
         self.action, self.reason, self.short = "dense", reason, short

@@ -42,6 +42,9 @@ class SparseForward:
             raise RuntimeError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval()")
         ids = kwargs.get("input_ids", args[0] if args else None)
         ids = kwargs.get("inputs_embeds") if ids is None else ids
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0:
+            raise ValueError(f"sparse_fx: the prompt is empty (input of shape {tuple(ids.shape)}); give the model at "
+                             "least one token")
         cache = kwargs.get("past_key_values")
         layers = static_layers(cache)
         if layers is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 FORMAT = "sparse_fx.plan/1"
 DEFAULT_GROUP = 4
+INT32_MAX = 2**31 - 1
 MASS_NAME = re.compile(r"(.+)-mass([0-9.e+-]+)")  # "prism-g4-mass0.95": any plan name, with mass < 1
 MASS_FORM = "any of them + -mass<p> (0 < p <= 1, e.g. prism-g4-mass0.95)"
 
@@ -134,6 +135,9 @@ class Plan:
             _fail(f"encoders apply to plans that score with signatures (hash, prism with proposal='hash'), not {which}")
         if self.roles is not None and not handler.explicit_roles:
             _fail(f"explicit roles need a plan with proposal and refined layers, not {self.method!r}")
+        if self.window + self.budget > INT32_MAX:  # (a pool is capped by the cache, see methods.prism.pool_size)
+            _fail(f"budget {self.budget} + sink {self.sink} + local {self.local} exceed the int32 cache positions the "
+                  f"kernels index by (at most {INT32_MAX} in all)")
         handler.validate(self)
 
     # ------------------------------------------------------------------ names

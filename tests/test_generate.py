@@ -254,6 +254,53 @@ def test_every_malformed_encoders_file_is_a_value_error_naming_file_and_field(ca
     assert str(tmp_path / file) in str(e.value) and field in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2"])
+def test_a_budget_covering_the_whole_cache_decodes_exactly_the_dense_tokens_in_every_dtype(plan, dtype):
+    """Nothing to select: the graph keeps dense attention (and no side caches), so even where bf16 or
+    fp16 rounding leaves ties between the top logits, the tokens are the dense model's."""
+    model = tiny_model("llama", layers=2).to(dtype)
+    # seeds whose prompts a sparse graph at this budget decoded differently from dense, in 2 (bf16)
+    # and 1 (fp16) of 6 rows, each plan
+    seed = {torch.float16: 5}.get(dtype, 2)
+    ids = torch.randint(1, 128, (6, 300), generator=torch.Generator().manual_seed(seed))
+    dense = generate(model, ids, 32)  # a static cache of 512 tokens (cache_bucket(332))
+    sparse_fx.compile(model, plan, backend="eager", budget=512 - 5, sink=2, local=3, int2_group=8, strict=True)
+    assert torch.equal(generate(model, ids, 32), dense)
+    report = sparse_fx.explain(model)
+    assert report.sparse_layers == [] and report.side_cache_bytes == 0
+    assert all(r.short and "cover the whole static cache of 512 tokens" in r.reason for r in report), str(report)
+
+
+@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2"])
+def test_cost_follows_the_cache_not_the_budget(plan):
+    """A budget far past the cache decodes densely (no selection arrays of its size); a Prism pool
+    past the cache's candidates is capped to them, fixed in the graph; a budget no int32 position
+    can hold is refused at compile."""
+    ids = torch.randint(1, 128, (1, 58), generator=torch.Generator().manual_seed(6))
+    huge = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", budget=2**20, int2_group=8)
+    assert torch.equal(generate(huge, ids, 8), generate(tiny_model("llama", layers=2), ids, 8))
+    assert "cover the whole static cache of 256 tokens" in sparse_fx.explain(huge).rows[0].reason
+    if plan.startswith("prism"):  # 256 - 5 = 251 candidates; rho 4 x 100 would be 400
+        capped = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", budget=100, sink=2,
+                                   local=3, rho=4.0, int2_group=8, min_context=0)
+        exact = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", budget=100, sink=2,
+                                  local=3, rho=2.51, int2_group=8, min_context=0)
+        assert torch.equal(generate(capped, ids, 8), generate(exact, ids, 8))
+        assert [r.budget for r in sparse_fx.explain(capped)] == ["2+3+100, pool 251", "2+3+100, from L0"]
+    with pytest.raises(ValueError, match="budget 1000000000000 .* exceed the int32 cache positions"):
+        sparse_fx.compile(tiny_model("llama", layers=2), plan, budget=10**12)
+
+
+def test_an_empty_prompt_is_a_value_error_saying_so():
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        model(empty)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(model, empty, 3)
+
+
 def test_dense_layers_beyond_the_model_are_refused():
     with pytest.raises(ValueError, match=r"dense_layers holds layers \[7\] but the model has 2 layers \(valid: 0..1\)"):
         sparse_fx.compile(tiny_model("llama", layers=2), "hash", dense_layers=[7], backend="eager")

@@ -35,7 +35,7 @@ def test_attach_cache_after_dense_prefill_equals_sparse_prefill(model, plan):
 def test_measurements_are_perfect_when_the_budget_covers_the_context(model):
     m = sparse_fx.compile(copy.deepcopy(model), "prism-g2", measure=True, budget=64, sink=2, local=3, int2_group=8)
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(1))
-    cache = StaticCache(config=model.config, max_cache_len=40)
+    cache = StaticCache(config=model.config, max_cache_len=80)  # budget + window cover 30 tokens, not the cache
     with torch.no_grad():
         m(ids[:, :20], past_key_values=cache)
         for t in range(20, 30):

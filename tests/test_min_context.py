@@ -105,7 +105,7 @@ def kv(batch, kv_heads, length, device=CUDA):
     ("prism-g4", 1, 8, 32768, True), ("prism-g4", 1, 8, 65536, False), ("prism-g4", 16, 8, 16384, True),
     ("prism-g4-int2refine", 16, 8, 16384, False), ("prism-g4-int2refine", 1, 8, 32768, True),
     ("prism-g4-hash", 4, 8, 32768, False), ("static-g4", 4, 8, 16384, True),
-    ("oracle", 1, 8, 256, False),  # the quality ceiling has no speed rule
+    ("oracle", 1, 8, 2048, False),  # the quality ceiling has no speed rule
 ])
 def test_auto_on_cuda_follows_the_measured_points_by_kv_rows(plan, batch, heads, length, dense):
     state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", int2_group=8))
@@ -117,9 +117,10 @@ def test_auto_on_cuda_follows_the_measured_points_by_kv_rows(plan, batch, heads,
 
 
 def test_an_explicit_min_context_holds_on_any_device():
-    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=0))
+    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=0, **SMALL))
     assert state.short(kv(1, 8, 256)) is None
-    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=300))
+    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=300,
+                                           **SMALL))
     assert state.short(kv(1, 8, 299, CPU)) and state.short(kv(1, 8, 300, CPU)) is None
 
 

@@ -63,16 +63,15 @@ def reduced(smollm2, tmp_path_factory):
 
 
 def test_budget_covering_the_context_is_dense(smollm2):
-    """oracle at sparsity 1 (budget = n) must pick every token: dense to the token and the nat."""
+    """oracle at sparsity 1 (budget = n, the whole cache): nothing to select, so every layer keeps
+    dense attention, and the tokens and the loss are the dense model's."""
     model, tok = smollm2
     s = settings(plans=["oracle"], sparsities=[1], windows=1, depths=[50], passkey_trials=1)
     results = harness.run(copy.deepcopy(model), tok, s, progress=False)
     (row,) = results["rows"]
     assert row["teacher"]["agreement"] == 1.0
     assert abs(row["teacher"]["ce_delta"]) < 1e-4
-    assert row["probes"]["recall"]["mean"] == 1.0 and row["probes"]["recall"]["min_layer"] == 1.0
-    assert row["probes"]["output_error"]["mean"] < 1e-4
-    assert row["explain"]["sparse_layers"] == 30
+    assert row["explain"]["sparse_layers"] == 0
 
 
 def test_every_layer_sparse_and_no_recompiles(reduced):

@@ -189,7 +189,7 @@ class Prism(Method):
         if site.role == "proposal":
             pool, idx = self._propose(emit, state, site)
             site.carry["proposal"] = (site.layer, pool, idx)
-            return Selection(idx, note=f", pool {p.pool}" + (", full budget (no exact mass)" if p.mass < 1 else ""),
+            return Selection(idx, note=f", pool {pool_size(p, site.kv)}" + (", full budget (no exact mass)" if p.mass < 1 else ""),
                              pool=pool)
         if site.role == "refined":
             if earlier is None:
@@ -208,22 +208,22 @@ class Prism(Method):
             pool = emit.call(torch.where, flag, own_pool, carried_pool)
             own_idx = emit.call(torch.where, flag, own_idx, carried_idx)
         site.carry["proposal"] = (site.layer, pool, own_idx)
-        return Selection(idx, note=f", pool {p.pool}" + self.mass_note(p), pool=pool)
+        return Selection(idx, note=f", pool {pool_size(p, site.kv)}" + self.mass_note(p), pool=pool)
 
     def _propose(self, emit, state, site):
-        """Scores over the filled cache -> (pool of the best `plan.pool`, its best `budget`): INT2
+        """Scores over the filled cache -> (pool of the best `pool_size`, its best `budget`): INT2
         keys scored against the query, or signatures by Hamming similarity (the scan fused into
         the pool's selection, then the pool's own scores for the layer's budget)."""
         p = state.plan
-        side = site.side
+        side, pool = site.side, pool_size(p, site.kv)
         window = (slice(None), slice(None), slice(p.window, None))
         # The pool and the layer's own budget (chosen within the pool) from one selection.
         if p.proposal == "hash":
             both = emit.call(OPS.hash_select_nested.default, query_logits(emit, state, site), side["signatures"], site.pos,
-                             p.pool, p.budget, p.sink, p.local, site.mask, site.start)
+                             pool, p.budget, p.sink, p.local, site.mask, site.start)
         else:
             scores = emit.call(OPS.int2_scores.default, site.q, side["codes"], side["params"], site.pos)
-            both = emit.call(OPS.select_nested.default, scores, site.pos, p.pool, p.budget, p.sink, p.local, site.mask,
+            both = emit.call(OPS.select_nested.default, scores, site.pos, pool, p.budget, p.sink, p.local, site.mask,
                              site.start)
         ranked, idx = emit.call(operator.getitem, both, 0), emit.call(operator.getitem, both, 1)
         return emit.call(operator.getitem, ranked, window), idx
@@ -240,6 +240,12 @@ class Prism(Method):
         # the mass of the pool ranked as it is computed (mass_select), never written out
         return emit.call(OPS.mass_select.default, site.q, site.k, site.scale, site.mask, pool, site.pos, p.budget,
                          p.sink, p.local, site.start, p.mass)
+
+
+def pool_size(plan, kv) -> int:
+    """A proposal's pool: rho x budget candidates, at most the cache's candidates (all but the sink
+    and local window), so that its cost follows the cache, not the plan."""
+    return min(plan.pool, kv.max_len - plan.window)
 
 
 class Static(Prism):
