@@ -10,7 +10,7 @@
    Hamming similarity (a KV head's query heads summed) against each query head's true top-32, for
    learned 32-bit, LSH 32/128/256-bit, and the exact attention-mass oracle; then again with the
    plan's sink and local keys always kept, the score choosing only among the keys between them.
-3. Model level, through the quality harness (`sparse_fx.harness`): next-token agreement and
+3. Model level, through the quality harness (`sparse_fx.offline.harness`): next-token agreement and
    cross-entropy delta vs dense for oracle, LSH and learned hash (a plan file with the encoders).
 
     python bench/learned_signatures.py --device cuda --skip-harness   # minutes on a GPU; over an hour on 2 CPU cores
@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 import sparse_fx
-from sparse_fx import harness
-from sparse_fx.data import token_windows
+from sparse_fx.offline import harness
+from sparse_fx.offline.data import token_windows
 from sparse_fx.lowering.reference import hamming_scores, pack_signs
-from sparse_fx.models import cache_root, load_model
+from sparse_fx.offline.models import cache_root, load_model
 from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer
-from sparse_fx.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall
+from sparse_fx.offline.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 

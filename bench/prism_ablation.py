@@ -2,7 +2,7 @@
 """Prism's ablation on SmolLM2-135M-Instruct (offline; CPU or GPU): index sharing with and without
 refinement, with uniform and calibrated layer roles, group-4 and group-9, rho and budget sweeps.
 
-1. Calibrate roles (`sparse_fx.calibrate`, by default the attention mass the pools keep; training
+1. Calibrate roles (`sparse_fx.offline.calibrate`, by default the attention mass the pools keep; training
    split, at the deployed length) for prism and static at group 4 and 9; the plans are written to
    <out>/plans/.
 2. Main table (held-out text, sparsity 16), measured by bench/teacher_agreement.py's one-pass teacher
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import sparse_fx
-from sparse_fx.models import load_model
+from sparse_fx.offline.models import load_model
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 import teacher_agreement as ta
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--calib-context", type=int, default=4096, help="tokens per calibration window (the deployed length)")
     ap.add_argument("--calib-windows", type=int, default=16, help="calibration windows (training split)")
     ap.add_argument("--calib-steps", type=int, default=64, help="decode positions per calibration window (the last ones)")
-    ap.add_argument("--objective", choices=("mass", "ce"), default="mass", help="calibration objective (sparse_fx.calibrate)")
+    ap.add_argument("--objective", choices=("mass", "ce"), default="mass", help="calibration objective (sparse_fx.offline.calibrate)")
     ap.add_argument("--windows", type=int, default=16, help="held-out windows per cell")
     ap.add_argument("--span", type=int, default=256, help="teacher-forced positions per window (the last ones)")
     ap.add_argument("--passkey-trials", type=int, default=10, help="pass-key trials per depth (main table)")

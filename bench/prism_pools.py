@@ -26,10 +26,10 @@ import argparse
 import torch
 
 import sparse_fx
-from sparse_fx.calibrate import attention_mass, capture, decode_candidates, int2_score
-from sparse_fx.data import passkey_prompt
+from sparse_fx.offline.calibrate import attention_mass, capture, decode_candidates, int2_score
+from sparse_fx.offline.data import passkey_prompt
 from sparse_fx.lowering.reference import choose, int2_dequantize, int2_quantize, selection_keys
-from sparse_fx.models import load_model
+from sparse_fx.offline.models import load_model
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 

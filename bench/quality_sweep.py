@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Quality sweep: sparse_fx plans against dense attention on SmolLM2-135M-Instruct (offline).
 
-The command line over the quality harness (`sparse_fx.harness`, which says what is measured and
+The command line over the quality harness (`sparse_fx.offline.harness`, which says what is measured and
 how): recall@k and output error of each layer's selection, next-token agreement and cross-entropy
 delta under teacher forcing, passkey retrieval; per plan x context x sparsity, where a sparse step
 attends to n // s chosen tokens plus the first --sink and the last --local.
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 import sparse_fx
-from sparse_fx import harness
-from sparse_fx.models import load_model
+from sparse_fx.offline import harness
+from sparse_fx.offline.models import load_model
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 

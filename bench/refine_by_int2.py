@@ -48,7 +48,7 @@ def main() -> None:
     a = p.parse_args()
 
     import teacher_agreement as ta  # bench/teacher_agreement.py
-    from sparse_fx.models import load_model
+    from sparse_fx.offline.models import load_model
 
     model, tok = load_model("smollm2", device=a.device)
     plans = ta.plans_of(PLANS, [])  # prism-g4 and prism-g4-int2refine take the shipped calibrated roles

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Next-token agreement and cross-entropy delta vs dense over many tokens: teacher forcing in one pass.
 
-The quality harness (`sparse_fx.harness`) decodes token by token through the compiled model: the
+The quality harness (`sparse_fx.offline.harness`) decodes token by token through the compiled model: the
 product's path, but about 90 s per 256 tokens of one plan at 4K on 2 CPU cores, so its model-level
 numbers rest on one window of 256 tokens, where one token is 0.4%. Teacher-forced sparse decoding
 is one forward pass in which each of the last `span` positions attends only to what the plan's
@@ -42,12 +42,12 @@ import sparse_fx
 from sparse_fx.api import _load_encoders
 from sparse_fx import role_tables
 from sparse_fx.compiled import CompiledState
-from sparse_fx.data import passkey_prompt, token_windows
-from sparse_fx.harness import passkey_key
+from sparse_fx.offline.data import passkey_prompt, token_windows
+from sparse_fx.offline.harness import passkey_key
 from sparse_fx.graph import EagerEmitter
 from sparse_fx.methods import Site
 from sparse_fx.model_info import ModelInfo
-from sparse_fx.models import load_model
+from sparse_fx.offline.models import load_model
 from sparse_fx.runtime.caches import KVShape
 from sparse_fx.runtime.encoders import Encoders, SignatureEncoders
 

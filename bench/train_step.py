@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_fx.train import WINDOWS, TrainConfig, Window, train_on_windows
+from sparse_fx.offline.train import WINDOWS, TrainConfig, Window, train_on_windows
 
 import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
 

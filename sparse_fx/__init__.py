@@ -6,12 +6,10 @@
 
 from .lowering import ops  # sparse_fx.ops: the ops for direct use (torch.ops.sparse_fx.*)
 from .api import attach_cache, compile, explain, measurements
-from .calibrate import calibrate
 from .explain import Report
 from .measure import Measurements
 from .plan import Plan
 from .runtime.encoders import SignatureEncoders
-from .train import train_signatures
 
 __all__ = [
     "attach_cache",
@@ -27,3 +25,14 @@ __all__ = [
     "SignatureEncoders",
 ]
 __version__ = "0.1.0"
+
+# The offline tools (sparse_fx.offline: training, calibration) load only when first asked for.
+_OFFLINE = {"calibrate": "calibrate", "train_signatures": "train"}
+
+
+def __getattr__(name: str):
+    if name in _OFFLINE:
+        import importlib
+
+        return getattr(importlib.import_module(f".offline.{_OFFLINE[name]}", __name__), name)
+    raise AttributeError(f"module 'sparse_fx' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from .cli import main
+from .offline.cli import main
 
 main()

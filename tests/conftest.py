@@ -25,6 +25,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer): the offline SmolLM2-135M-Instruct, loaded once for the whole test run."""
-    from sparse_fx.models import load_model
+    from sparse_fx.offline.models import load_model
 
     return load_model()

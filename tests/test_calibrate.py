@@ -72,7 +72,7 @@ def test_plan_for_another_layer_count_is_a_clear_error(model, tmp_path):
 @pytest.mark.parametrize("seed", range(20))
 def test_mass_objective_finds_the_best_contiguous_groups(seed):
     """The dynamic programme against every way of choosing the leads (the first layer always leads)."""
-    from sparse_fx.calibrate import _best_leads, _value
+    from sparse_fx.offline.calibrate import _best_leads, _value
 
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 9, (1,), generator=g))
@@ -87,7 +87,7 @@ def test_mass_objective_finds_the_best_contiguous_groups(seed):
 def test_mass_objective_scores_as_the_decode_ops_do():
     """Its per-step attention mass and INT2 proposal scores are the references' (mass_scores,
     int2_scores) for a query at that step, over that step's causal prefix."""
-    from sparse_fx.calibrate import attention_mass, decode_candidates, int2_score
+    from sparse_fx.offline.calibrate import attention_mass, decode_candidates, int2_score
     from sparse_fx.lowering import reference as ref
 
     g = torch.Generator().manual_seed(3)
@@ -110,7 +110,7 @@ def test_mass_objective_scores_as_the_decode_ops_do():
 def test_mass_objective_scores_signature_proposals_as_the_decode_ops_do(trained):
     """Its signature proposal score is 2 x the Hamming similarity the served op sums over a KV head's
     query heads (reference.hamming_scores of the packed signs), less G x bits: the same order."""
-    from sparse_fx.calibrate import signature_score
+    from sparse_fx.offline.calibrate import signature_score
     from sparse_fx.lowering import reference as ref
     from sparse_fx.runtime.encoders import Encoders, HeadMLP, LayerEncoders, SignatureEncoders
 

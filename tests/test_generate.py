@@ -147,7 +147,7 @@ def test_untrained_hash_says_so_once_and_in_explain():
 
 
 def _encoders(model, tmp_path, seed=0, bits=32):
-    from sparse_fx.train import TrainConfig
+    from sparse_fx.offline.train import TrainConfig
 
     ids = torch.randint(1, 128, (2, 320), generator=torch.Generator().manual_seed(seed))
     enc = sparse_fx.train_signatures(model, ids, bits=bits, steps=2, queries=16, batch_queries=8, batch_keys=32,

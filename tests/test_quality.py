@@ -1,4 +1,4 @@
-"""The quality harness (`sparse_fx.harness`) on SmolLM2, reduced: fails on a clear quality regression.
+"""The quality harness (`sparse_fx.offline.harness`) on SmolLM2, reduced: fails on a clear quality regression.
 
 Two runs at context 512 (sink 32 + local 32, 2 held-out windows x 32 teacher-forced steps, 2
 passkey trials at 2 depths): every plan at sparsity 4, and oracle with a budget covering the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sparse_fx
-from sparse_fx import harness
+from sparse_fx.offline import harness
 from sparse_fx.lowering.reference import first_readable
 from sparse_fx.methods import Site
 from sparse_fx.model_info import ModelInfo

@@ -7,7 +7,7 @@ import pytest
 import sparse_fx
 from sparse_fx import role_tables
 from sparse_fx.api import sparse_state
-from sparse_fx.harness import share_weights_copy
+from sparse_fx.offline.harness import share_weights_copy
 from sparse_fx.model_info import ModelInfo
 from sparse_fx.plan import Plan
 

@@ -13,7 +13,7 @@ from transformers import StaticCache
 import sparse_fx
 from families import tiny_model
 from sparse_fx.model_info import ModelInfo
-from sparse_fx.train import TrainConfig, capture_windows, train_on_windows
+from sparse_fx.offline.train import TrainConfig, capture_windows, train_on_windows
 
 SMALL = dict(context=400, queries=24, top=8, steps=60, batch_queries=8, batch_keys=200, lr=3e-3, seed=0)
 
@@ -52,7 +52,7 @@ def test_sampled_loss_is_the_weighted_bce_of_the_served_score(sharing, labels):
     dots over the unit's query heads + bias (with "kv" labels a KV head sums its query heads, the
     served score's order; with "query" labels each query head is a unit), targets are the unit's labels, positives weigh alpha + beta * n,
     other candidates 1, and keys the plan keeps (first `sink`, last `local`) or after the query 0."""
-    from sparse_fx.train import Window, _loss, _mlp
+    from sparse_fx.offline.train import Window, _loss, _mlp
 
     gen = torch.Generator().manual_seed(5)
     layers, hq, hkv, T, S, D, top, sink, local = 2, 4, 2, 40, 6, 8, 5, 3, 4
@@ -119,7 +119,7 @@ def test_selection_recall_counts_the_true_top_k_inside_the_budget(fixed):
     """Against a loop over queries: a query at position p keeps floor((p+1)/s) keys by score, plus
     the first `sink` and last `local` keys when `fixed` is given; recall@k is the share of its true
     top-k among them, averaged over layers, query heads and queries."""
-    from sparse_fx.train import Window, selection_recall
+    from sparse_fx.offline.train import Window, selection_recall
 
     gen = torch.Generator().manual_seed(7)
     layers, hq, hkv, T, S, D, k = 2, 4, 2, 48, 5, 8, 6

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sparse_fx
-from sparse_fx.data import token_windows
+from sparse_fx.offline.data import token_windows
 
 pytestmark = pytest.mark.model
 

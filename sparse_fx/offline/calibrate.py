@@ -26,11 +26,11 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from . import methods
-from .lowering.reference import choose, int2_dequantize, int2_quantize, selection_keys
-from .plan import Plan
-from .model_info import ModelInfo
-from .runtime.encoders import Encoders, apply_head_mlp
+from .. import methods
+from ..lowering.reference import choose, int2_dequantize, int2_quantize, selection_keys
+from ..plan import Plan
+from ..model_info import ModelInfo
+from ..runtime.encoders import Encoders, apply_head_mlp
 
 OBJECTIVES = ("mass", "ce")
 
@@ -54,7 +54,7 @@ def calibrate(
     minimise decode cross-entropy by greedy search ("ce"); see the module docstring.
 
     texts: token windows [N, context] (LongTensor) or None for the training split of
-    `sparse_fx.data` (needs `tokenizer`); the last `steps` tokens of each window are decoded
+    `sparse_fx.offline.data` (needs `tokenizer`); the last `steps` tokens of each window are decoded
     sparsely under teacher forcing after a dense prefill of the rest (their queries, for "mass").
     method: "prism" or "static" (IndexCache-style reuse, for the ablation). plan_options: budget, sink, local, rho,
     int2_group, proposal ("int2" or "hash": signature proposals, with `encoders` a directory of
@@ -62,7 +62,7 @@ def calibrate(
     """
     from transformers import StaticCache
 
-    from .api import SparseForward, attach_cache, compile, restore, sparse_state
+    from ..api import SparseForward, attach_cache, compile, restore, sparse_state
 
     handler = methods.get(method)
     if not handler.explicit_roles:
@@ -139,7 +139,7 @@ def _windows(texts, tokenizer, context: int, windows: int, seed: int) -> torch.T
             raise ValueError(f"sparse_fx: token windows must be [N, T], got {tuple(texts.shape)}")
         return texts.long()
     if texts is not None or tokenizer is None:
-        raise ValueError("sparse_fx: pass token windows [N, T], or tokenizer= to use the training split of sparse_fx.data")
+        raise ValueError("sparse_fx: pass token windows [N, T], or tokenizer= to use the training split of sparse_fx.offline.data")
     from .data import token_windows
 
     return token_windows(tokenizer, "train", context, windows, seed=seed)
@@ -234,7 +234,7 @@ def _proposal_scorer(model, plan: Plan):
     """(layer, q, k) -> [steps, Hkv, T]: how the plan's proposal layers score every key."""
     if plan.proposal == "int2":
         return lambda layer, q, k: int2_score(q, k, plan.int2_group)
-    from .api import _load_encoders
+    from ..api import _load_encoders
 
     info = ModelInfo.of(model)
     trained = _load_encoders(plan.encoders, model, info, plan) if plan.encoders else None

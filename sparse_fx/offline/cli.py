@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import methods
+from .. import methods
 from .calibrate import OBJECTIVES
 
 
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         plan.save(args.out)
         print(f"{plan.note}\nroles: {' '.join(r[0].upper() for r in plan.roles)}\nsaved {args.out}")
     elif args.command == "explain":
-        from . import compile, explain as explain_model
+        from .. import compile, explain as explain_model
         from .models import load_model
 
         model, _ = load_model()

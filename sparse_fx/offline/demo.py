@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import StaticCache
 
-from .api import compile, explain
+from ..api import compile, explain
 from .data import passkey_prompt
 from .models import load_model
 

@@ -20,15 +20,15 @@ plain model into a StaticCache whose contents are then copied into place for eve
 (`sparse_fx.attach_cache` writes the side caches from it). One compiled model per config, reused
 for every window and prompt: nothing recompiles.
 
-    from sparse_fx import harness
-    from sparse_fx.models import load_model
+    from sparse_fx.offline import harness
+    from sparse_fx.offline.models import load_model
     model, tok = load_model()
     s = harness.Settings(plans=["dense", "hash"], contexts=[2048], sparsities=[16])
     results = harness.run(model, tok, s)
     print(harness.markdown(harness.describe(model, s, "mine", results)))
 
 The command line over it is `python bench/quality_sweep.py` (outputs, plots, provenance header).
-Uses only the public API plus `sparse_fx.data` (held-out text, pass-key prompts).
+Uses only the public API plus `sparse_fx.offline.data` (held-out text, pass-key prompts).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 import sparse_fx
-from sparse_fx.data import passkey_prompt, token_windows
+from sparse_fx.offline.data import passkey_prompt, token_windows
 
-MODEL = "SmolLM2-135M-Instruct"  # what `sparse_fx.models.load_model()` loads; named in the tables
+MODEL = "SmolLM2-135M-Instruct"  # what `sparse_fx.offline.models.load_model()` loads; named in the tables
 
 
 @dataclass

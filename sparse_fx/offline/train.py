@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .lowering.reference import kept
-from .model_info import ModelInfo
-from .plan import Plan
-from .runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders, apply_head_mlp
+from ..lowering.reference import kept
+from ..model_info import ModelInfo
+from ..plan import Plan
+from ..runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders, apply_head_mlp
 
 CAPTURE = "sparse_fx_capture"
 WINDOWS = 4  # training windows `train_signatures` takes by default (of TrainConfig.context tokens)
@@ -248,7 +248,7 @@ def train_signatures(
     """Train HashAttention encoders for `model` (frozen, eval mode) and return them.
 
     texts: token windows [N, context] (a LongTensor), a list of strings (needs `tokenizer`), or
-    None for the training split of the real text that ships with Python (`sparse_fx.data`,
+    None for the training split of the real text that ships with Python (`sparse_fx.offline.data`,
     disjoint from the held-out split; needs `tokenizer`). options: fields of `TrainConfig`
     (hidden, queries, top, alpha, beta, steps, batch_queries, batch_keys, lr, seed, key_sharing, labels,
     sink, local). With the defaults, SmolLM2-135M trains in about 12 minutes on 2 CPU cores; the
