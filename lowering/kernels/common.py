@@ -24,11 +24,11 @@ MAX_SPLITS = 64  # programs one row's candidates may be split over (attention, m
 # before it finishes, and waits (griddepcontrol.wait) at entry until that kernel's writes are
 # visible: a decode step's chain of small launches loses part of the gap between them. 0: off;
 # 1: wait at entry (the next kernel is released as this one's programs exit); 2: also release the
-# next one as soon as every program of this one has started. H200 (bench/NOTES.md, PDL): 1 saves
-# ~2 us a layer at batch 1 and nothing at 16; 2 costs 2-8% from batch 4 (the next kernel's waiting
-# programs hold SM slots). Under torch.compile the constexpr is compiled in and sparse_fx's backend
-# sets the launch attribute of the kernels that carry it (sparse_fx/launch.py).
-PDL = 1
+# next one as soon as every program of this one has started. 1 gains most where launches are short
+# (small batches); 2 loses from batch 4, the next kernel's waiting programs holding SM slots this
+# one's later programs need. Under torch.compile the constexpr is compiled in and sparse_fx's
+# backend sets the launch attribute of the kernels that carry it (sparse_fx/launch.py).
+PDL = 1  # kernel_step's best of 0 / 1 / 2 (bench/results/kernels-2026-12-03-1637-pdl1.json)
 
 
 def interpreting() -> bool:

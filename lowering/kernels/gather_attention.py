@@ -21,9 +21,9 @@ from .common import (
 )
 
 
-# Launch defaults, module constants so a bench can --set them: kernel_tuning's best of 48 at each of
-# 32K / 128K x batch 1 / 4 / 16 (bf16, D 128, H100, kernel-tuning-2026-12-05-attention.json) was the
-# same, 128-row tiles in 2 waves: 2-6% under the 32-64-row tiles in 4-8 waves before it.
+# Launch defaults, module constants so a bench can --set them: few, large tiles a program, as each
+# tile's gathers cost a memory latency that little else hides at few rows.
+# kernel_tuning's best at every shape of 32K-128K x batch 1-16 (bench/results/kernel-tuning-2026-12-05-attention.json)
 TILE_BYTES = 32768  # bytes of a K tile a step: 128 rows of a bf16 128-dim head, 64 of a 256-dim one
 MAX_ROWS, FP32_MAX_ROWS = 128, 64  # fp32 operands at 128 rows spill on sm_90 (tests/test_op_compile.py)
 ATTN_WAVES = 2  # programs per SM the split count aims for

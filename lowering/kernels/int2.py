@@ -23,15 +23,13 @@ from .common import (
 INT2_BLOCK_L = 128  # keys per step of the score scan (rows of its MMA)
 # Cache slots (B * Hkv * L, L the cache's capacity) from which the scan builds its MMA operands in
 # place (variant 3, fewer instructions a tile) rather than joining halves (variant 2, shorter
-# latency a tile). H200, 2026-12-02 (results/kernel-tuning-2026-12-02.json, full caches): variant 3
-# wins by 5-9% at 4M slots and 9% at 16M, loses by 7-22% at 1M and below.
+# latency a tile): the fewer instructions pay where a program scans enough tiles to hide the longer latency.
+# kernel_tuning's crossover over full caches (bench/results/kernel-tuning-2026-12-02.json)
 INT2_IN_PLACE_MIN_KEYS = 1 << 22
 # A refined layer's pool scan: its tiles' codes loaded a tile ahead by hand and its slots two (no
 # load of a step then waits on another: the codes' and params' addresses come from the slots), its
-# keys a step, programs per SM and pipeline depth. H200, results/kernel-tuning-2026-12-03-pool.json
-# (48 configurations x 6 shapes, the best geometric mean): against the cache scan's knobs 11% faster
-# at 128K batch 16 (94.1 -> 84.1 us), 14-17% at batch 1, 3% at 32K batch 16; slower at batch 4
-# (2% at 128K, 12% at 32K).
+# keys a step, programs per SM and pipeline depth: its own, not the cache scan's.
+# kernel_tuning's best geometric mean over 32K-128K x batch 1-16 (bench/results/kernel-tuning-2026-12-03-pool.json)
 POOL_CODES_AHEAD = True
 POOL_BLOCK_L, POOL_WAVES, POOL_STAGES = 64, 4, 2
 

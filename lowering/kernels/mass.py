@@ -22,7 +22,9 @@ from .common import (
 
 
 MASS_WAVES = 4  # programs per SM the logits stage's split count aims for
-MASS_BLOCK_N = 128  # candidates a step of the logits stage at head dims <= 128 (half beyond); 64 took 6-13% longer a prism-g4 step
+# candidates a step of the logits stage at head dims <= 128 (half beyond): twice 64's bytes in flight
+# a program; kernel_step's best (bench/results/kernel-tuning-2026-12-04-mass-logits.json)
+MASS_BLOCK_N = 128
 MASS_WARPS = 4
 MASS_STAGES = 3  # the pipelined loop's stages (Triton's default on sm_90)
 

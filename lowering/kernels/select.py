@@ -51,26 +51,27 @@ from .common import (
 )
 
 # `_row_select_kernel`, one program a row, walks its pool serially, so it pays only where rows alone
-# fill the GPU; with few rows, many programs a row (the passes) spread it. bench/kernel_tuning.py times
-# both (2026-12-01, H200, 128K: 7% faster at 128 rows, 2x slower at 8 and 32; bench/NOTES.md).
+# fill the GPU; with few rows, many programs a row (the passes) spread it. bench/kernel_tuning.py times both.
 ROW_MAX = 16384  # the largest pool it selects from
-ROW_MIN_ROWS = 128  # (batch x KV heads) rows from which it is the default
+# (batch x KV heads) rows from which it is the default (bench/results/kernel-tuning-2026-12-01-rows.json)
+ROW_MIN_ROWS = 128
 ROW_CHUNK, ROW_WARPS = 4096, 16  # its passes' step (8 candidates a thread; `_take` counts a step in 16 bits) and width
 MAX_PROGS = 64  # programs per row; each keeps one 256-entry row of counts per level
-WIDE_PROGS = 16  # with 256-bin levels (bench/kernel_tuning.py: reading 64 programs' counts cost more than it spread)
+# with 256-bin levels: every program of a later pass reads all the row's counts, which costs more
+# than more programs spread (bench/results/kernel-tuning-2026-12-01-select.json)
+WIDE_PROGS = 16
 WIN_BLOCK = tl.constexpr(256)
-# Launch defaults from bench/kernel_tuning.py on an H200 (bench/NOTES.md, Kernels): the float path
+# Launch defaults (BLOCK, LEVEL_BITS, WAVES; HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES): the float path
 # reads 4-byte scores, so few wide levels win; the Hamming path is instruction-bound on its
 # histogram, so 16-bin levels (two for 8-bit keys) and many programs win.
+# kernel_tuning's best (bench/results/kernel-tuning-2026-11-30.json)
 BLOCK = 2048  # candidates per step of every pass (all passes of one select cut the same chunks)
 # A float selection over a cache row (not a pool) with fewer rows than the row kernel's takes
 # blocks of WIDE_BLOCK where that still makes ~2 programs an SM (rows x blocks >= WIDE_MIN_PROGRAMS;
 # a program takes 1-2 blocks under the default cap), and at up to WIDE_CAP_ROWS rows up to WIDE_CAP
 # programs a row (one for each of a 128K row's 32 blocks; more would double the counts each later
-# program reads, P_PAD).
-# H200, results/kernel-tuning-2026-12-02.json, against BLOCK with WIDE_PROGS: the nested proposal
-# 22% faster at 128K batch 1, 4% at 128K batch 4, 19% at 32K batch 4; the pool alone 19% / -2% / 8%;
-# 32K batch 1 (64 programs at WIDE_BLOCK) keeps BLOCK, 28% faster there.
+# program reads, P_PAD); with fewer programs (32K at batch 1) BLOCK under WIDE_PROGS is faster.
+# kernel_tuning's best (bench/results/kernel-tuning-2026-12-02.json)
 WIDE_BLOCK, WIDE_MIN_PROGRAMS, WIDE_CAP, WIDE_CAP_ROWS = 4096, 256, 32, 8
 LEVEL_BITS = 8  # bits per radix level: 16-bit keys in two
 WAVES = 4
@@ -78,9 +79,9 @@ HASH_BLOCK, HASH_LEVEL_BITS, HASH_WAVES = 1024, 4, 16
 # 8-bit Hamming keys in one 256-bin level where each program's chunk is at most HASH_ONE_LEVEL_BLOCKS
 # blocks (at most HASH_WIDE_CAP programs a row: only the select pass reads their counts), else in
 # two 16-bin levels: one level saves the level pass, but its 256-bin histogram costs more a block
-# than the packed 16-bin counts. H200 (bench/NOTES.md, hash in one level): one level is 6-13% faster
-# at 32K (batch 1-16) and at 128K batch 1 and 4 (chunks of 4 blocks), 3% slower at 128K batch 16 (8).
+# than the packed 16-bin counts, so one level loses where a program's chunk is long.
 # Up to HASH_STRETCH_CAP programs a row where a few blocks past 32 x 4 would make chunks of 5.
+# kernel_step's best at 32K-128K x batch 1-16 (bench/results/kernels-2026-12-03-1644-hash-lb8-cap32.json)
 HASH_WIDE_CAP, HASH_ONE_LEVEL_BLOCKS, HASH_STRETCH_CAP = 32, 4, 40
 SCORE_KIND = {torch.float32: 0, torch.float16: 0, torch.bfloat16: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3}
 
@@ -512,8 +513,8 @@ def _trim_kernel(
     """One row of a selection trimmed to p of its candidates' mass (reference.trim_to_mass): sel
     [B,Hkv,WIN+K] the select pass's list, ckey [R,K] the keys it took, tot [R,PROGS] the key
     pass's chunk masses; writes out (sel's shape and strides). The list is held in registers (the
-    launcher widens the program with K) and cut by 15 reductions over it: a walk over the list in
-    steps, loading it again for each of them, took 20 us a row (bench/NOTES.md)."""
+    launcher widens the program with K) and cut by 15 reductions over it, not by a walk over the
+    list in steps, which would load it again for each bisection step."""
     pdl_enter(PDL)
     r = tl.program_id(0)
     b, h = row_of(r, Hkv)
@@ -551,8 +552,8 @@ def _row_select_kernel(
     level-0 counts; the level-1 counts under the k-th key's top byte; the taken placed in candidate
     order by the select pass's rule (`_take`); the window. Each pass walks the pool CHUNK keys at
     a time (the scratch stays in cache). One launch for the level and select passes that would
-    otherwise count both lists: 7% faster at 128K, batch 16 (128 rows), twice as slow at batch 1
-    and 4, where too few rows fill the GPU (bench/NOTES.md), hence `_by_rows`."""
+    otherwise count both lists: faster only where the rows alone fill the GPU (ROW_MIN_ROWS), hence
+    `_by_rows`."""
     pdl_enter(PDL)
     r = tl.program_id(0)
     b, h = row_of(r, Hkv)
@@ -727,7 +728,7 @@ def _counts(levels: int, R: int, progs: int, lb: int, nested: bool, dev) -> torc
 
 def cache_row_launch(R: int, N: int, block: int | None, cap: int | None) -> tuple[int, int | None]:
     """(block, cap) of a float selection over R cache rows of N slots: the tuned WIDE_BLOCK
-    layout where it measured faster, else BLOCK; given knobs are kept."""
+    layout where it is faster, else BLOCK; given knobs are kept."""
     wide = R < ROW_MIN_ROWS and R * triton.cdiv(N, WIDE_BLOCK) >= WIDE_MIN_PROGRAMS
     if block is None:
         block = WIDE_BLOCK if wide else BLOCK
