@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 def _counting():
     """Counters of Inductor's scheduler work, by wrapping three of its methods (absent ones stay 0)."""
@@ -56,7 +56,7 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     import torch
 
     import sparse_fx
-    from decode_speed import build_model, random_static_cache  # bench/decode_speed.py
+    from benchlib.llama import build_model, random_static_cache
     from sparse_fx import backend
 
     if fusion_window:  # A/B of the fusion search's window (the plan's own compile only)

@@ -30,50 +30,12 @@ import torch
 
 import sparse_fx
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
-from decode_layers import step_floor_bytes  # bench/decode_layers.py
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
+from benchlib.layers import step_floor_bytes
+from benchlib.llama import build_model, random_static_cache, sdpa_gqa_attention, time_decode
 
 SPARSE = ("hash", "prism-g4", "prism-g4-hash", "prism-g4-int2refine", "prism-g4-mass0.95")  # sparse_fx plans this bench compiles
 METHODS = ("hf-default", "dense", "dense-gqa", *SPARSE)
-LLAMA_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072 + 4096,
-    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-)
-
-
-def build_model(layers: int, device="cuda", **shape):
-    """The Llama-3.1-8B shape with `layers` layers (and any other `shape` overrides), random bf16."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": layers, **shape})
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    return model
-
-
-def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """HF attention function: SDPA with enable_gqa=True (no repeat_kv) even when a mask is given."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def random_static_cache(model, batch: int, filled: int, room: int, device="cuda"):
-    """A StaticCache of max length filled + room whose first `filled` slots hold random K/V; sized
-    as Hugging Face sizes it (a tensor-parallel rank's heads only)."""
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=filled + room)
-    cache.early_initialization(batch, *model._get_static_cache_init_shape(), torch.bfloat16, device)
-    g = torch.Generator(device).manual_seed(0)
-    for layer in cache.layers:
-        layer.keys[:, :, :filled].normal_(generator=g)
-        layer.values[:, :, :filled].normal_(generator=g)
-        layer.cumulative_length.fill_(filled)
-    return cache
 
 
 def random_dynamic_cache(model, batch: int, filled: int):
@@ -85,30 +47,6 @@ def random_dynamic_cache(model, batch: int, filled: int):
     for i in range(c.num_hidden_layers):
         cache.update(torch.randn(shape, device="cuda", dtype=torch.bfloat16), torch.randn(shape, device="cuda", dtype=torch.bfloat16), i)
     return cache
-
-
-def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[float, float, dict]:
-    """(seconds per step, seconds of the first call, torch.compile's phases in it) over `steps`
-    timed single-token steps."""
-    vocab = 128256
-    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
-    with torch.no_grad():
-        before = benchlib.compile_phases()
-        t0 = time.perf_counter()
-        forward(ids, past_key_values=cache, use_cache=True)
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        phases = benchlib.compile_phases(since=before)
-        for _ in range(warmup - 1):
-            forward(ids, past_key_values=cache, use_cache=True)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            forward(ids, past_key_values=cache, use_cache=True).logits.argmax(-1)
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / steps, first, phases
 
 
 def time_prefill(forward, model, n: int, batch: int, calls: int = 4) -> tuple[float, float, list[float]]:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 import sparse_fx
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
-from decode_speed import LLAMA_8B, random_static_cache  # bench/decode_speed.py
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
+from benchlib.llama import LLAMA_8B, random_static_cache
 
 SHAPES = {
     "8b": LLAMA_8B,

@@ -1,63 +1,83 @@
 #!/usr/bin/env bash
 # The standard GPU measurements, one stage a device call (each fits 10 minutes on an H200), in the
 # order a session with 30 minutes of device time takes them. Every stage writes under $OUT (or
-# ./gpu-out) and prints a short table last. Usage, from the repository root on the GPU machine:
-#
-#   bash bench/gpu_session.sh tune     # ~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes)
-#                                      #   against .scratch/base/oldlowering
-#   bash bench/gpu_session.sh step     # ~3 min: the kernel roofline twice (bench/kernel_step.py), and
-#                                      #   the adaptive budget at a sharpness that lets it trim
-#   bash bench/gpu_session.sh e2e-b4   # ~8 min: end to end at 128K, batch 4: dense, hash, prism-g4, prism-g4-hash
-#   bash bench/gpu_session.sh e2e-b1   # ~8 min: the same at batch 1 (a cold compile takes 100-130 s a plan,
-#                                      #   so a stage holds dense and three plans at most)
-#   bash bench/gpu_session.sh e2e-adaptive  # ~7 min: dense and prism-g4-mass0.95 at batch 1 and 4
-#   bash bench/gpu_session.sh short    # ~8 min: caches short of the break-even, min_context 'auto' (dense
-#                                      #   kept) against 0 (sparse forced): 32K batch 1, 16K batch 4
-#   bash bench/gpu_session.sh compile  # ~6 min: cold compile time by phase (bench/compile_time.py)
-#   bash bench/gpu_session.sh tests    # ~9 min: tests/test_gpu.py
-#
-# `tune` needs the older lowering package to A/B against, made here before the call and carried:
-#   mkdir -p .scratch/base && git archive <rev> lowering | tar -x -C .scratch/base &&
-#   mv .scratch/base/lowering .scratch/base/oldlowering && : > .scratch/base/oldlowering/__init__.py
-# (run with carry=[".scratch"]; .git/info/exclude ignores /.scratch/).
+# ./gpu-out) and prints a short table last. Run from the repository root on the GPU machine;
+# without a stage, it prints the stages (from the table below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The stages, in session order: name, then what it runs and for how long (the usage text), then its
+# commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
+STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile tests)
+declare -A ABOUT COMMANDS
+
+ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
+COMMANDS[tune]='
+  run python3 -P -m pytest -q -m gpu tests/test_op_select.py tests/test_op_mass.py tests/test_op_attention.py \
+    tests/test_op_int2.py > "$out/op_tests.log" 2>&1 || echo "GPU op tests FAILED (the tuning runs anyway)"
+  tail -5 "$out/op_tests.log"
+  base=()
+  [ -d .scratch/base/oldlowering ] && base=(--baseline .scratch/base)
+  run python3 bench/kernel_tuning.py --only int2 select mass --contexts 131072 32768 "${base[@]}" --out "$out" \
+    2>&1 | tee "$out/tuning.log" | tail -14'
+
+ABOUT[step]="~3 min: the kernel roofline twice (bench/kernel_step.py), and the adaptive budget at a sharpness that lets it trim"
+COMMANDS[step]='
+  run python3 bench/kernel_step.py --repeat 2 --short --plans hash prism-g4 prism-g4-hash prism-g4-int2refine \
+    --out "$out" | tail -12
+  run python3 bench/kernel_step.py --repeat 2 --contexts 131072 --batches 1 16 --plans prism-g4 prism-g4-mass0.95 \
+    --sharpness 3.25 --out "$out" | tail -4'
+
+ABOUT[e2e-b4]="~8 min: end to end at 128K, batch 4: dense, hash, prism-g4, prism-g4-hash"
+COMMANDS[e2e-b4]='
+  run python3 bench/decode_speed.py --shapes 131072x4 --methods dense-gqa,hash,prism-g4,prism-g4-hash \
+    --repeat 2 --out "$out" 2>&1 | tail -10'
+
+ABOUT[e2e-b1]="~8 min: the same at batch 1 (a cold compile takes 100-130 s a plan, so a stage holds dense and three plans at most)"
+COMMANDS[e2e-b1]='
+  run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash \
+    --repeat 2 --out "$out" 2>&1 | tail -10'
+
+ABOUT[e2e-adaptive]="~7 min: dense and prism-g4-mass0.95 at batch 1 and 4"
+COMMANDS[e2e-adaptive]='
+  run python3 bench/decode_speed.py --shapes 131072x1,131072x4 --methods dense-gqa,prism-g4-mass0.95 --repeat 2 \
+    --out "$out" 2>&1 | tail -8'
+
+ABOUT[short]="~8 min: caches short of the break-even, min_context 'auto' (dense kept) against 0 (sparse forced): 32K batch 1, 16K batch 4"
+COMMANDS[short]='
+  for mc in auto 0; do
+    run python3 bench/decode_speed.py --shapes 32768x1,16384x4 --methods dense-gqa,prism-g4 --min-context $mc \
+      --repeat 2 --out "$out/min-context-$mc" 2>&1 | tail -6
+  done'
+
+ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
+COMMANDS[compile]='
+  run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
+
+ABOUT[tests]="~9 min: tests/test_gpu.py"
+COMMANDS[tests]='
+  run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15'
+
+usage() {
+  echo "Usage, from the repository root on the GPU machine: bash bench/gpu_session.sh STAGE"
+  echo "(one stage a device call; results under \$OUT, default ./gpu-out)"
+  echo
+  for stage in "${STAGES[@]}"; do
+    printf '  %-13s %s\n' "$stage" "${ABOUT[$stage]}"
+  done
+  echo
+  echo "tune needs the older lowering package to A/B against, made here before the call and carried:"
+  echo "  mkdir -p .scratch/base && git archive <rev> lowering | tar -x -C .scratch/base &&"
+  echo "  mv .scratch/base/lowering .scratch/base/oldlowering && : > .scratch/base/oldlowering/__init__.py"
+  echo "(run with carry=[\".scratch\"]; .git/info/exclude ignores /.scratch/)."
+}
+
+stage=${1:-}
+if [ -z "$stage" ] || [ -z "${COMMANDS[$stage]+set}" ]; then
+  usage
+  exit 2
+fi
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 run() { bash bench/gpu.sh "$@"; }
-case "${1:-}" in
-  tune)
-    run python3 -P -m pytest -q -m gpu tests/test_op_select.py tests/test_op_mass.py tests/test_op_attention.py \
-      tests/test_op_int2.py > "$out/op_tests.log" 2>&1 || echo "GPU op tests FAILED (the tuning runs anyway)"
-    tail -5 "$out/op_tests.log"
-    base=()
-    [ -d .scratch/base/oldlowering ] && base=(--baseline .scratch/base)
-    run python3 bench/kernel_tuning.py --only int2 select mass --contexts 131072 32768 "${base[@]}" --out "$out" \
-      2>&1 | tee "$out/tuning.log" | tail -14 ;;
-  step)
-    run python3 bench/kernel_step.py --repeat 2 --short --plans hash prism-g4 prism-g4-hash prism-g4-int2refine \
-      --out "$out" | tail -12
-    run python3 bench/kernel_step.py --repeat 2 --contexts 131072 --batches 1 16 --plans prism-g4 prism-g4-mass0.95 \
-      --sharpness 3.25 --out "$out" | tail -4 ;;
-  e2e-b4)
-    run python3 bench/decode_speed.py --shapes 131072x4 --methods dense-gqa,hash,prism-g4,prism-g4-hash \
-      --repeat 2 --out "$out" 2>&1 | tail -10 ;;
-  e2e-b1)
-    run python3 bench/decode_speed.py --shapes 131072x1 --methods dense-gqa,hash,prism-g4,prism-g4-hash \
-      --repeat 2 --out "$out" 2>&1 | tail -10 ;;
-  e2e-adaptive)
-    run python3 bench/decode_speed.py --shapes 131072x1,131072x4 --methods dense-gqa,prism-g4-mass0.95 --repeat 2 \
-      --out "$out" 2>&1 | tail -8 ;;
-  short)
-    for mc in auto 0; do
-      run python3 bench/decode_speed.py --shapes 32768x1,16384x4 --methods dense-gqa,prism-g4 --min-context $mc \
-        --repeat 2 --out "$out/min-context-$mc" 2>&1 | tail -6
-    done ;;
-  compile)
-    run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6 ;;
-  tests)
-    run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15 ;;
-  *)
-    sed -n '2,17p' "$0"
-    exit 2 ;;
-esac
+eval "${COMMANDS[$stage]}"

@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 HQ, HKV, D = 32, 8, 128
 
@@ -78,7 +78,7 @@ if ARGS.smoke:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-from decode_layers import OPS, Layers, fastest, int2_key_bytes, step_floor_bytes  # noqa: E402  (bench/decode_layers.py)
+from benchlib.layers import OPS, Layers, fastest, int2_key_bytes, step_floor_bytes  # noqa: E402
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 HQ, HKV, D, SINK, LOCAL, BUDGET, RHO = 32, 8, 128, 128, 128, 4096, 4
 
@@ -57,7 +57,7 @@ if ARGS.smoke:
         benchlib.save = lambda *_, **__: []  # untimed numbers stay out of bench/results unless asked for
 
 import torch  # noqa: E402
-from decode_layers import Layers, fastest  # noqa: E402  (bench/decode_layers.py)
+from benchlib.layers import Layers, fastest  # noqa: E402
 
 from sparse_fx.lowering import reference as ref  # noqa: E402
 from sparse_fx.lowering.kernels import gather_attention as A  # noqa: E402

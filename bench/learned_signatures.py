@@ -35,7 +35,7 @@ from sparse_fx.offline.models import cache_root, load_model
 from sparse_fx.runtime.encoders import apply_head_mlp, lsh_layer
 from sparse_fx.offline.train import WINDOWS, TrainConfig, capture_windows, oracle_scores, selection_recall
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 
 

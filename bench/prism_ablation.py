@@ -5,10 +5,11 @@ refinement, with uniform and calibrated layer roles, group-4 and group-9, rho an
 1. Calibrate roles (`sparse_fx.offline.calibrate`, by default the attention mass the pools keep; training
    split, at the deployed length) for prism and static at group 4 and 9; the plans are written to
    <out>/plans/.
-2. Main table (held-out text, sparsity 16), measured by bench/teacher_agreement.py's one-pass teacher
-   forcing through the product's own selection: per-layer INT2 selection (prism-g1: every layer
-   proposes), static reuse and proposal-refine, uniform (`roles="uniform"`) and calibrated, group 4
-   and 9: next-token agreement and cross-entropy delta with standard errors, teacher-forced pass keys.
+2. Main table (held-out text, sparsity 16), measured by one-pass teacher forcing through the
+   product's own selection (`sparse_fx.offline.agreement`, as bench/teacher_agreement.py):
+   per-layer INT2 selection (prism-g1: every layer proposes), static reuse and proposal-refine,
+   uniform (`roles="uniform"`) and calibrated, group 4 and 9: next-token agreement and
+   cross-entropy delta with standard errors, teacher-forced pass keys.
 3. Sweeps without pass keys: rho in {1, 2, 4, 8} for calibrated prism-g4, and sparsity {8, 16, 32}
    for calibrated prism-g4 and static-g4.
 
@@ -19,17 +20,16 @@ Writes <out>/prism-ablation.json / .md / .png (calibrated plans in <out>/plans/)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
 import sparse_fx
+from sparse_fx.offline import agreement
 from sparse_fx.offline.models import load_model
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
-import teacher_agreement as ta
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 
 def main() -> None:
@@ -77,18 +77,18 @@ def main() -> None:
             path = plans_dir / f"smollm2-{method}-g{group}-calibrated.json"
             plan.save(path)
             calibrated[(method, group)] = plan
-            print(f"{plan.note}  ({timings[f'{method}-g{group}']:.0f} s)\n  roles: {''.join(r[0].upper() for r in plan.roles)}",
+            print(f"{plan.note}  ({timings[f'{method}-g{group}']:.0f} s)\n  roles: {''.join(r[0].upper() for r in plan.options.roles)}",
                   flush=True)
     report["calibration_seconds"] = timings
-    report["calibrated_roles"] = {f"{m}-g{g}": "".join(r[0].upper() for r in p.roles) for (m, g), p in calibrated.items()}
+    report["calibrated_roles"] = {f"{m}-g{g}": "".join(r[0].upper() for r in p.options.roles) for (m, g), p in calibrated.items()}
 
     def measure(plans: dict, sparsities: list[int], keys: bool) -> list[dict]:
         runs = []
         for n in contexts:
             for sp in sparsities:
-                run = ta.evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True)
+                run = agreement.evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True)
                 if keys:
-                    run["passkey"] = ta.passkey(model, tok, plans, n, sp, depths, a.passkey_trials, progress=True)
+                    run["passkey"] = agreement.passkey(model, tok, plans, n, sp, depths, a.passkey_trials, progress=True)
                 runs.append(run)
         return runs
 
@@ -103,7 +103,7 @@ def main() -> None:
 
     # 3. sweeps on calibrated prism-g4 (and its static twin for the budget sweep)
     base = calibrated[("prism", 4)]
-    report["rho_sweep"] = measure({f"rho {rho:g}": dataclasses.replace(base, rho=rho) for rho in (1.0, 2.0, 4.0, 8.0)},
+    report["rho_sweep"] = measure({f"rho {rho:g}": base.replace(rho=rho) for rho in (1.0, 2.0, 4.0, 8.0)},
                                   [a.sparsity], keys=False)
     save(report, out, final=False)
     report["budget_sweep"] = measure({"prism-g4 calibrated": base, "static-g4 calibrated": calibrated[("static", 4)]},

@@ -31,7 +31,7 @@ from sparse_fx.offline.data import passkey_prompt
 from sparse_fx.lowering.reference import choose, int2_dequantize, int2_quantize, selection_keys
 from sparse_fx.offline.models import load_model
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 PROPOSALS = ("int2", "int2-centred", "exact")
 KEYS = (31415, 27182, 16180, 14142, 17320, 22360, 26457, 30000, 11235, 58132)
@@ -75,8 +75,8 @@ def measure(layers, needle, plan, group: int, proposal: str) -> dict:
         if proposal == "exact":
             score = attention_mass(q, k, allowed)
         else:
-            score = (centred_int2_score if proposal == "int2-centred" else int2_score)(q, k, plan.int2_group)
-        pool = best(score, plan.pool, allowed)
+            score = (centred_int2_score if proposal == "int2-centred" else int2_score)(q, k, plan.options.int2_group)
+        pool = best(score, plan.options.pool(plan.budget), allowed)
         mass = attention_mass(*layers[layer], allowed)
         chosen = best(score if layer == lead else mass, plan.budget, pool)
         kept.append(float((mass * chosen).sum()))

@@ -21,8 +21,8 @@ import torch
 
 import sparse_fx
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
-from decode_speed import build_model, random_static_cache, sdpa_gqa_attention, time_decode  # bench/decode_speed.py
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
+from benchlib.llama import build_model, random_static_cache, sdpa_gqa_attention, time_decode
 
 
 def profile_method(model, original_forward, method: str, args) -> dict:

@@ -24,7 +24,7 @@ import sparse_fx
 from sparse_fx.offline import harness
 from sparse_fx.offline.models import load_model
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 PLOTTED = {  # metric -> (label, where it lives in a row)
     "recall": ("recall@k of the selection", ("probes", "recall", "mean")),

@@ -6,8 +6,8 @@ bandwidth, a third of prism-g4's kernel step (bench/NOTES.md). INT2 keys are 48 
 against 256. `prism-g4-int2refine` (`refine="int2"`) keeps INT2 side caches in every sparse layer
 and ranks a refined layer's pool by max over the group of <q, INT2 key> (as the proposal ranks its
 own budget within the pool) instead of by exact mass. This compares the two by teacher-forced
-agreement over the same windows as bench/teacher_agreement.py, on the offline SmolLM2, against the
-oracle, with uniform roles and the shipped calibrated ones.
+agreement (`sparse_fx.offline.agreement`, as bench/teacher_agreement.py measures it) on the offline
+SmolLM2, against the oracle, with uniform roles and the shipped calibrated ones.
 
     python bench/refine_by_int2.py --contexts 2048,4096 --windows 4 --span 128
 Writes <out>/refine-by-int2.json and .md.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 PLANS = ["oracle", "prism-g4", "prism-g4-uniform", "prism-g4-int2refine-uniform", "prism-g4-int2refine"]
 
@@ -47,13 +47,13 @@ def main() -> None:
     benchlib.add_out(p)
     a = p.parse_args()
 
-    import teacher_agreement as ta  # bench/teacher_agreement.py
+    from sparse_fx.offline import agreement
     from sparse_fx.offline.models import load_model
 
     model, tok = load_model("smollm2", device=a.device)
-    plans = ta.plans_of(PLANS, [])  # prism-g4 and prism-g4-int2refine take the shipped calibrated roles
+    plans = agreement.plans_of(PLANS, [])  # prism-g4 and prism-g4-int2refine take the shipped calibrated roles
     t0 = time.perf_counter()
-    cells = [ta.evaluate(model, tok, plans, int(n), a.sparsity, a.windows, a.span) for n in a.contexts.split(",")]
+    cells = [agreement.evaluate(model, tok, plans, int(n), a.sparsity, a.windows, a.span) for n in a.contexts.split(",")]
     report = {"meta": benchlib.header(a), "cells": cells, "wall_s": time.perf_counter() - t0}
     benchlib.save(a.out, "refine-by-int2", report, markdown=markdown(report))
     print(markdown(report))

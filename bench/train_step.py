@@ -22,7 +22,7 @@ import torch
 
 from sparse_fx.offline.train import WINDOWS, TrainConfig, Window, train_on_windows
 
-import benchlib  # bench/benchlib.py: a script's own folder is sys.path[0]
+import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
 
 def windows(device: str, n: int = 2, layers: int = 30, hq: int = 9, hkv: int = 3, T: int = 8192, S: int = 1024, D: int = 64):

@@ -1,4 +1,6 @@
-"""bench/ as the README uses it: no script shadows an importable module, every command shown runs.
+"""bench/ as a toolkit and as the docs use it: scripts share one library (bench/benchlib/) and
+import no other script, no script shadows an importable module, every command and path the README
+and docs/ show is there, and bench/results holds only what something cites.
 
 A script's own folder is sys.path[0] when it runs, so a bench file named like an importable module
 replaces that module for everything the script imports: transformers probes for a top-level
@@ -6,6 +8,8 @@ replaces that module for everything the script imports: transformers probes for 
 own. Each check runs in a fresh interpreter, as a user's command would.
 """
 
+import ast
+import fnmatch
 import json
 import os
 import re
@@ -19,40 +23,51 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+LIBRARY = BENCH / "benchlib"  # the one module (a package) the scripts share
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # what users read
 # `python bench/<script>.py ...` and `python -m sparse_fx <command> ...`, also broken over a line.
 COMMAND = re.compile(r"\bpython3?\s+(bench/\w+\.py|-m\s+sparse_fx(?:\s+[a-z][\w-]*)?)")
 
 
+def scripts() -> list[Path]:
+    return sorted(BENCH.glob("*.py"))
+
+
 def test_no_bench_file_is_named_like_an_importable_module(tmp_path):
-    stems = sorted(p.stem for p in BENCH.glob("*.py"))
+    stems = sorted([p.stem for p in scripts()] + [p.parent.name for p in BENCH.glob("*/__init__.py")])
     find = "import importlib.util, json, sys; print(json.dumps({s: getattr(importlib.util.find_spec(s), 'origin', None) for s in sys.argv[1:]}))"
     out = subprocess.run([sys.executable, "-c", find, *stems], cwd=tmp_path, capture_output=True, text=True, check=True)
     taken = {stem: origin for stem, origin in json.loads(out.stdout).items() if origin is not None}
     assert not taken, f"bench files that would shadow these modules when a bench script runs (rename them): {taken}"
 
 
-def readme_commands() -> list[list[str]]:
-    """Each distinct script or CLI command of README.md, as argv (python from this interpreter)."""
-    found = dict.fromkeys(" ".join(m.group(1).split()) for m in COMMAND.finditer((ROOT / "README.md").read_text()))
+def doc_commands(paths=DOCS) -> list[list[str]]:
+    """Each distinct script or CLI command of README.md and docs/*.md, as argv (python from this interpreter)."""
+    found = dict.fromkeys(" ".join(m.group(1).split()) for p in paths for m in COMMAND.finditer(p.read_text()))
     return [[sys.executable, *command.split()] for command in found]
 
 
 def bench_scripts() -> list[list[str]]:
-    return [[sys.executable, str(p.relative_to(ROOT))] for p in sorted(BENCH.glob("*.py"))
-            if "__main__" in p.read_text()]
+    return [[sys.executable, str(p.relative_to(ROOT))] for p in scripts() if "__main__" in p.read_text()]
 
 
-def test_readme_shows_bench_and_cli_commands():
-    shown = {" ".join(argv[1:]) for argv in readme_commands()}
+def test_readme_and_docs_show_bench_and_cli_commands():
+    """The README shows the command line (`python -m sparse_fx ...`); with docs/ (the bench commands
+    that reproduce each number are in docs/results.md) it shows both kinds, and every bench script
+    it names exists."""
+    readme = {" ".join(argv[1:]) for argv in doc_commands([ROOT / "README.md"])}
+    shown = {" ".join(argv[1:]) for argv in doc_commands()}
+    assert any(c.startswith("-m sparse_fx ") for c in readme), readme
     assert any(c.startswith("bench/") for c in shown) and any(c.startswith("-m sparse_fx ") for c in shown), shown
     missing = [c for c in shown if c.startswith("bench/") and not (ROOT / c).exists()]
-    assert not missing, f"README names bench scripts that do not exist: {missing}"
+    assert not missing, f"README or docs/ name bench scripts that do not exist: {missing}"
 
 
 def test_every_command_answers_help():
-    """Every README command and every bench script parses `--help` and exits 0, in seconds: they
-    parse arguments before heavy work, and nothing they import reads our command line."""
-    commands = {tuple(argv) for argv in readme_commands() + bench_scripts()}
+    """Every command of the README and docs/ and every bench script parses `--help` and exits 0, in
+    seconds: they parse arguments before heavy work, and nothing they import reads our command line."""
+    commands = {tuple(argv) for argv in doc_commands() + bench_scripts()}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
     def run(argv):
@@ -63,6 +78,109 @@ def test_every_command_answers_help():
     failed = {" ".join(argv[1:]): (r.returncode, r.stderr[-600:]) for argv, r in results.items()
               if r.returncode != 0 or "usage:" not in r.stdout}
     assert not failed, failed
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The top-level names of the modules `path` imports anywhere (in functions too), with
+    importlib.import_module("...") and __import__("...") of a literal name."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.add(node.args[0].value.split(".")[0])
+    return found
+
+
+def test_no_bench_script_imports_another_script():
+    """What scripts share lives in the library, bench/benchlib/: a script imports it and never another
+    script, and the library imports no script."""
+    names = {p.stem for p in scripts()}
+    found = {str(p.relative_to(ROOT)): sorted(imported_modules(p) & (names - {p.stem}))
+             for p in [*scripts(), *sorted(LIBRARY.rglob("*.py"))]}
+    found = {path: imported for path, imported in found.items() if imported}
+    assert not found, f"bench files that import bench scripts (move what they share into bench/benchlib/): {found}"
+    assert {p.stem for p in scripts()} >= {"teacher_agreement", "quality_sweep", "decode_speed", "kernel_step"}
+    assert not (BENCH / "benchlib.py").exists() and (LIBRARY / "__init__.py").is_file()
+
+
+# Where result files are cited: what users and the notebook read, and the code and tests that read a result.
+CITING_DOCS = [*DOCS, BENCH / "NOTES.md"]
+CITING_CODE = ("sparse_fx/**/*.py", "sparse_fx/**/*.json", "lowering/**/*.py", "runtime/**/*.py", "tests/**/*.py")
+# a glob of result files as the docs write one: `kernels-2026-12-04-1307.*`, `decode-2026-11-30-*.json`
+RESULT_GLOB = re.compile(r"(?<![\w*./-])[\w./-]*[\w-](?:\.\*|-\*)[\w.*-]*")
+
+
+def uncited_results() -> list[str]:
+    """The files under bench/results that nothing cites. A file is cited by its name or path anywhere
+    in CITING_DOCS or CITING_CODE, by a glob in the docs that matches its name, or by its stem (its
+    name without extensions) alone in code quotes or at a path's end in the docs
+    (`kernels-2026-12-01-0154`, `results/kernels-2026-12-01-0154`: all of that run's files)."""
+    docs = "\n".join(p.read_text() for p in CITING_DOCS)
+    code = "\n".join(p.read_text() for pattern in CITING_CODE for p in sorted(ROOT.glob(pattern)))
+    globs = {m.group(0).rsplit("/", 1)[-1] for m in RESULT_GLOB.finditer(docs)}
+    uncited = []
+    for path in sorted(p for p in RESULTS.rglob("*") if p.is_file()):
+        name, stem = path.name, path.name.split(".")[0]
+        if not (re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", docs + code)
+                or any(fnmatch.fnmatchcase(name, g) for g in globs)
+                or re.search(rf"[`/]{re.escape(stem)}`", docs)):
+            uncited.append(str(path.relative_to(ROOT)))
+    return uncited
+
+
+def test_every_result_file_is_cited():
+    """bench/results holds only what README.md, docs/, bench/NOTES.md, the code or the tests cite;
+    git history keeps the rest."""
+    uncited = uncited_results()
+    assert not uncited, (f"{len(uncited)} file(s) under bench/results that nothing cites: cite each in docs/results.md "
+                         f"or bench/NOTES.md (by name, path, glob or stem), or `git rm` it: {uncited}")
+
+
+# A path in this repository as the README and docs/ write one, with {a,b} alternatives, <name>
+# placeholders and * globs (`sparse_fx/methods/{oracle,hash,prism}.py`, `tests/test_op_<op>.py`).
+REPO_PATH = re.compile(r"(?<![\w./-])(?:bench|tests|sparse_fx|lowering|runtime|docs)/[\w./*<>-]*(?:\{[\w.,-]*\}[\w./*<>-]*)?")
+
+
+def paths_named(text: str) -> set[str]:
+    """The repository paths `text` names, braces expanded. Sections of sources (a heading that begins
+    "Sources", as in docs/serving.md) name other repositories' files and are left out."""
+    text = re.sub(r"^#+ Sources\b.*?(?=^#+ |\Z)", "", text, flags=re.M | re.S)
+    paths = set()
+    for m in REPO_PATH.finditer(text):
+        path = m.group(0).rstrip(".,:;")
+        brace = re.search(r"\{([^}]*)\}", path)
+        paths |= {path[: brace.start()] + a + path[brace.end():] for a in brace.group(1).split(",")} if brace else {path}
+    return paths
+
+
+def test_every_path_the_readme_and_docs_name_exists():
+    """Every file or folder that README.md and docs/*.md name under bench/, tests/, sparse_fx/,
+    lowering/, runtime/ or docs/ exists; a glob or a <placeholder> matches at least one file."""
+    missing = {}
+    for doc in DOCS:
+        for path in sorted(paths_named(doc.read_text())):
+            pattern = re.sub(r"<[^>]*>", "*", path)
+            if not (any(ROOT.glob(pattern)) if "*" in pattern else (ROOT / path).exists()):
+                missing.setdefault(str(doc.relative_to(ROOT)), []).append(path)
+    assert not missing, f"paths named in the docs that do not exist: {missing}"
+    assert "sparse_fx/methods/hash.py" in paths_named("`sparse_fx/methods/{oracle,hash}.py`, `vllm/config.py`.")
+
+
+def test_gpu_session_lists_its_stages_and_the_docs_name_them():
+    """bench/gpu_session.sh without a stage prints its table of stages (and makes no output folder);
+    docs/results.md names the same stages."""
+    r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "OUT"},
+                       capture_output=True, text=True, timeout=60)
+    listed = re.findall(r"^  ([\w-]+) +~\d+ min: ", r.stdout, flags=re.M)
+    assert r.returncode == 2 and "Usage" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert len(listed) == len(set(listed)) >= 8, r.stdout
+    named = re.search(r"bench/gpu_session\.sh <stage>` runs the standard stages \(([^)]*)\)", (ROOT / "docs/results.md").read_text())
+    assert named, "docs/results.md no longer names the stages of bench/gpu_session.sh"
+    assert sorted(re.findall(r"`([\w-]+)`", named.group(1))) == sorted(listed)
 
 
 # The slow commands below are a process each (decode_tp two), nearly all of it one busy core (the
@@ -155,7 +273,7 @@ def ran(request, _started):
 
 
 def test_kernel_step_smoke_runs_every_plans_step_through_the_kernels(ran):
-    """The kernel benches' shared inputs (bench/decode_layers.py) and both plans' steps, on tiny
+    """The kernel benches' shared inputs (bench/benchlib/layers.py) and both plans' steps, on tiny
     shapes under the Triton interpreter: the GPU run is the same code at full size."""
     r, _ = ran
     assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-2000:]
@@ -269,7 +387,7 @@ def test_dense_is_timed_under_every_sdpa_backend_that_takes_the_shape(monkeypatc
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     monkeypatch.syspath_prepend(str(BENCH))
-    from decode_layers import DENSE_BACKENDS, Layers
+    from benchlib.layers import DENSE_BACKENDS, Layers
 
     st = Layers(2, 96, 2, torch.device("cpu"), 4, 2, 32)
     timed = []

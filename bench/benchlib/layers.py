@@ -1,6 +1,6 @@
 """Random decode layers for the kernel benches (kernel_step.py, kernel_tuning.py): one shape's
 queries, K/V caches, side caches written by our own ops, the mask a static cache passes, and the
-dense SDPA step they are measured against."""
+dense SDPA step they are measured against; and the bytes a sparse step must read at the least."""
 
 from __future__ import annotations
 

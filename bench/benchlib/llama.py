@@ -1,0 +1,76 @@
+"""The model of the end-to-end benches (decode_speed.py, decode_tp.py, profile_step.py,
+compile_time.py): the Llama-3.1-8B shape with random bf16 weights and a static cache of random
+keys and values (decode speed depends on neither's values), SDPA with `enable_gqa` as the dense
+baseline's attention, and the time of its decode steps."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .timing import compile_phases
+
+LLAMA_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072 + 4096,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+
+
+def build_model(layers: int, device="cuda", **shape):
+    """The Llama-3.1-8B shape with `layers` layers (and any other `shape` overrides), random bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": layers, **shape})
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF attention function: SDPA with enable_gqa=True (no repeat_kv) even when a mask is given."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def random_static_cache(model, batch: int, filled: int, room: int, device="cuda"):
+    """A StaticCache of max length filled + room whose first `filled` slots hold random K/V; sized
+    as Hugging Face sizes it (a tensor-parallel rank's heads only)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=filled + room)
+    cache.early_initialization(batch, *model._get_static_cache_init_shape(), torch.bfloat16, device)
+    g = torch.Generator(device).manual_seed(0)
+    for layer in cache.layers:
+        layer.keys[:, :, :filled].normal_(generator=g)
+        layer.values[:, :, :filled].normal_(generator=g)
+        layer.cumulative_length.fill_(filled)
+    return cache
+
+
+def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[float, float, dict]:
+    """(seconds per step, seconds of the first call, torch.compile's phases in it) over `steps`
+    timed single-token steps."""
+    vocab = LLAMA_8B["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+    with torch.no_grad():
+        before = compile_phases()
+        t0 = time.perf_counter()
+        forward(ids, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        phases = compile_phases(since=before)
+        for _ in range(warmup - 1):
+            forward(ids, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            forward(ids, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps, first, phases
