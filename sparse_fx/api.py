@@ -74,9 +74,10 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
                          f"prism with proposal='hash'), not {plan.name!r}")
     if encoders is not None and not isinstance(encoders, SignatureEncoders):
         encoders = SignatureEncoders.load(encoders)
-    if encoders is not None and "bits" not in plan_options and encoders.bits != plan.bits:
+    signatures = method.uses_encoders(plan)
+    if encoders is not None and "bits" not in plan_options and encoders.bits != plan.options.bits:
         plan = Plan.parse(spec, **plan_options, bits=encoders.bits)  # the encoders' signature width
-    encoders = encoders if encoders is not None else plan.encoders
+    encoders = encoders if encoders is not None else plan.options.encoders if signatures else None
     info = ModelInfo.of(model)
     plan = role_tables.resolve(plan, model, info)
     method.check(info, plan)
@@ -88,7 +89,8 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         "attention": attention_implementation(model)}
     switched = use_sdpa(model)
     note = f"attention: switched from attn_implementation={switched!r} to 'sdpa' (the call the pass rewrites)" if switched else ""
-    state = CompiledState(plan=plan, info=info, method=method, encoders=Encoders(plan.bits, plan.seed, trained),
+    bits = plan.options.bits if signatures else None
+    state = CompiledState(plan=plan, info=info, method=method, encoders=Encoders(bits, plan.seed, trained),
                           backend=backend, mode=mode, strict=strict,
                           measurements=Measurements() if measure else None, attention_note=note)
     original = previous.original if isinstance(previous, SparseForward) else model.forward
@@ -132,7 +134,7 @@ def explain(model: torch.nn.Module) -> Report:
     shard = state.info.shard.describe(state.info.kv_heads)
     if shard:
         notes.append(f"tensor parallel: this report is {shard}; side caches and selections are this rank's heads only")
-    return Report(plan=state.plan, method=state.method.describe(state), description=state.plan.description,
+    return Report(plan=state.plan, method=state.method.describe(state.context), description=state.plan.description,
                   model_type=state.info.model_type, num_layers=state.info.num_layers, rows=rows,
                   side_cache_bytes=0 if traced else state.side_caches.nbytes(), notes=notes, traced=traced,
                   shard=state.info.shard)
@@ -202,7 +204,7 @@ def _trace_decode(model: torch.nn.Module, state: CompiledState) -> GraphReport:
     # the tiny cache is shorter than any min_context: trace what a long enough cache runs
     probe = CompiledState(plan=dataclasses.replace(state.plan, min_context=0), info=state.info, method=state.method,
                           encoders=state.encoders, backend="eager")
-    length = state.plan.window + state.plan.pool + 2
+    length = state.method.cache_to_trace(state.plan)
     cache = StaticCache(config=model.config, max_cache_len=length)
     ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
@@ -233,8 +235,9 @@ def _load_encoders(encoders, model, info: ModelInfo, plan: Plan) -> SignatureEnc
     if not isinstance(encoders, SignatureEncoders):
         encoders = SignatureEncoders.load(encoders)
     encoders.check(info.fingerprint(model))
-    if encoders.bits != plan.bits:
-        raise ValueError(f"sparse_fx: the encoders make {encoders.bits}-bit signatures but the plan asks for bits={plan.bits}")
+    if encoders.bits != plan.options.bits:
+        raise ValueError(f"sparse_fx: the encoders make {encoders.bits}-bit signatures but the plan asks for "
+                         f"bits={plan.options.bits}")
     if encoders.metadata.get("train_config", {}).get("key_sharing", "kv") != "kv":
         raise ValueError("sparse_fx: these encoders sign keys per query head; the runtime serves KV-head signatures (key_sharing='kv')")
     return encoders

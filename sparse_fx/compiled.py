@@ -10,7 +10,7 @@ import torch
 from .explain import GraphReport
 from .graph import EagerEmitter
 from .measure import Measurements
-from .methods import Method
+from .methods import Context, Method
 from .model_info import ModelInfo
 from .plan import Plan
 from .runtime.caches import KVShape, Shard, SideCaches
@@ -55,6 +55,7 @@ class CompiledState:
             raise ValueError(f"sparse_fx: dense_layers holds layers {bad} but the model has {self.info.num_layers} "
                              f"layers (valid: 0..{self.info.num_layers - 1})")
         self.roles = self.method.roles(self.plan, self.info.num_layers, dense)
+        self.context = Context(self.plan, self.roles, self.layer_encoders, self.encoders.learned)
 
     # ------------------------------------------------------------------ layers
     def role(self, layer: int) -> str:
@@ -144,7 +145,7 @@ class CompiledState:
                 if stop > start:
                     side = self.side_caches.layer(i, kv, specs)
                     pos = torch.arange(start, stop, device=kv.device)
-                    self.method.write(emit, self, i, kv, side, layer.keys[:, :, start:stop], pos)
+                    self.method.write(emit, self.context, i, kv, side, layer.keys[:, :, start:stop], pos)
             for kv in {kv for _, _, kv, _ in described}:
                 self.side_caches.own(kv, cache)
 

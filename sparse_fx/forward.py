@@ -96,7 +96,7 @@ class SparseForward:
             reasons = sorted({r.reason for r in report.rows}) or ["no attention found in the graph"]
             self._warn("dense", f"sparse_fx: no layer runs sparse in this decode step ({'; '.join(reasons)}); "
                        "see sparse_fx.explain(model)")
-        for key, message in self.state.method.notices(self.state).items():
+        for key, message in self.state.method.notices(self.state.context).items():
             self._warn(key, message)
 
     def _warn(self, key: str, message: str) -> None:

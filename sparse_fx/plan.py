@@ -1,8 +1,10 @@
 """Plans: which sparse attention each layer runs, as a validated dataclass with a name table.
 
-`Plan.parse("prism-g4", budget=512)` is the one way from a user's string to a plan; the names a
-plan may take come from the method registry (`sparse_fx.methods`). A calibrated plan carries its
-layer roles explicitly and round-trips through JSON (`Plan.save` / `Plan.load`).
+`Plan.parse(name, budget=512)` is the one way from a user's string to a plan; the names a
+plan may take come from the method registry (`sparse_fx.methods`). A plan holds what every method
+shares; its method's own options are a dataclass of that method's (`plan.options`), given by name
+like the shared ones. A plan round-trips through JSON (`Plan.save` / `Plan.load`), its options
+flattened beside the shared fields.
 """
 
 from __future__ import annotations
@@ -13,48 +15,25 @@ import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from . import methods
+from .methods import fail, require_int
 
 FORMAT = "sparse_fx.plan/1"
-DEFAULT_GROUP = 4
 INT32_MAX = 2**31 - 1
-MASS_NAME = re.compile(r"(.+)-mass([0-9.e+-]+)")  # "prism-g4-mass0.95": any plan name, with mass < 1
-MASS_FORM = "any of them + -mass<p> (0 < p <= 1, e.g. prism-g4-mass0.95)"
-
-
-def _fail(msg: str) -> None:
-    raise ValueError(f"sparse_fx: {msg}")
-
-
-def _methods():
-    from . import methods  # the registry imports plan types lazily too: no cycle at import time
-
-    return methods
-
-
-def _int(name: str, value, low: int | None = None, why: str = "") -> None:
-    bound = f" >= {low}" if low is not None else ""
-    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
-        _fail(f"{name} must be an int{bound}{why}, got {value!r}" + ("" if isinstance(value, int) else f" ({type(value).__name__})"))
+MASS_NAME = re.compile(r"(.+)-mass([0-9.e+-]+)")  # "<name>-mass0.95": any plan name, with mass < 1
+MASS_FORM = "any of them + -mass<p> (0 < p <= 1, e.g. <name>-mass0.95)"
 
 
 @dataclass(frozen=True)
 class Plan:
     """A sparse-attention plan.
 
-    budget is κ, the tokens chosen by score on top of `sink` first and `local` last tokens; a
-    Prism proposal layer keeps a pool of round(rho * budget) candidates; `bits` is the signature
-    width of `hash` (LSH until trained encoders are given); `int2_group` is the channels per INT2
-    scale/zero group; `proposal` is how Prism's proposal layers score every key: INT2 copies of
-    the keys (the paper) or `hash` signatures (4 bytes a key, then the refined layers re-score the
-    pool exactly as with INT2); `refine` is how Prism's refined layers rank the pool: by exact
-    attention mass over their own keys (the paper), or by their own INT2 copies of the keys
-    (`int2`, name suffix -int2refine: 48 bytes a pool key read instead of 256 at head dim 128, at
-    the cost of INT2 side caches in every sparse layer and of the adaptive budget, which needs
-    exact mass); `roles` (one per layer: proposal / refined / dense) overrides the uniform
-    grouping, "uniform" asks for it, and None (the default) takes the roles calibrated for the model
-    when sparse_fx ships them (`sparse_fx.role_tables`), else the uniform grouping; `dense_layers`
-    stay dense under any method; `encoders` is the directory of trained
-    signature encoders for signature scores (see `sparse_fx.train_signatures`), so a plan file can carry them.
+    budget is κ, the tokens chosen by score on top of `sink` first and `local` last tokens;
+    `dense_layers` stay dense under any method; `seed` seeds what a method draws at random (e.g.
+    untrained signature projections); `options` are the method's own (`methods.get(method).options`:
+    None takes its defaults, a dict sets fields by name).
 
     `min_context` keeps dense attention in a decode graph whose static cache is shorter (its
     length and batch are fixed when the graph is compiled, so the choice costs nothing at run
@@ -66,123 +45,94 @@ class Plan:
     `mass` < 1 makes the budget adaptive: per layer, KV head and step, of the `budget` best
     candidates only the fewest whose attention mass reaches that share of all candidates' mass
     are kept (1: always `budget`). Shapes stay static: unused slots hold -1, at the end. See
-    `sparse_fx.lowering.reference.trim_to_mass`; methods without exact mass (hash, static) refuse it.
+    `sparse_fx.lowering.reference.trim_to_mass`; methods without exact mass refuse it.
     """
 
     method: str = "dense"
-    group: int = DEFAULT_GROUP
     budget: int = 1024
     sink: int = 128
     local: int = 128
-    rho: float = 4.0
-    int2_group: int = 32
-    proposal: str = "int2"
-    refine: str = "exact"
-    bits: int = 32
     seed: int = 0
     mass: float = 1.0
     min_context: int | str = "auto"
     dense_layers: tuple[int, ...] = ()
-    roles: tuple[str, ...] | str | None = None
-    encoders: str | None = None
+    options: Any = None
     note: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("method", "proposal", "refine", "note"):
+        for name in ("method", "note"):
             if not isinstance(getattr(self, name), str):
-                _fail(f"{name} must be a string, got {getattr(self, name)!r}")
-        handler = _methods().get(self.method)
-        _int("budget", self.budget, 1, " (tokens chosen by score)")
-        _int("sink", self.sink, 0)
-        _int("local", self.local, 1, " (the window holds the current token)")
-        _int("group", self.group)
-        _int("int2_group", self.int2_group, 2, " (channels per INT2 scale)")
-        _int("bits", self.bits, 32)
-        _int("seed", self.seed)
-        if self.bits % 32:
-            _fail(f"bits must be a positive multiple of 32, got {self.bits}")
-        if not isinstance(self.rho, numbers.Real) or isinstance(self.rho, bool) or not self.rho >= 1:
-            _fail(f"rho (pool size / budget) must be a number >= 1, got {self.rho!r}")
+                fail(f"{name} must be a string, got {getattr(self, name)!r}")
+        handler = methods.get(self.method)
+        require_int("budget", self.budget, 1, " (tokens chosen by score)")
+        require_int("sink", self.sink, 0)
+        require_int("local", self.local, 1, " (the window holds the current token)")
+        require_int("seed", self.seed)
+        if self.window + self.budget > INT32_MAX:
+            fail(f"budget {self.budget} + sink {self.sink} + local {self.local} exceed the int32 cache positions the "
+                 f"kernels index by (at most {INT32_MAX} in all)")
         if not isinstance(self.mass, numbers.Real) or isinstance(self.mass, bool) or not 0 < self.mass <= 1:
-            _fail(f"mass (share of the candidates' attention mass to keep) must be a number in (0, 1], got {self.mass!r}")
+            fail(f"mass (share of the candidates' attention mass to keep) must be a number in (0, 1], got {self.mass!r}")
         object.__setattr__(self, "mass", float(self.mass))
         if self.mass < 1 and not handler.takes_mass:
-            _fail(f"mass={self.mass} needs a method that estimates attention mass; {self.method!r} does not "
-                  f"(valid with mass < 1: {_methods().mass_methods()})")
+            fail(f"mass={self.mass} needs a method that estimates attention mass; {self.method!r} does not "
+                 f"(valid with mass < 1: {methods.mass_methods()})")
         if self.min_context != "auto":
-            _int("min_context", self.min_context, 0,
-                 ' (the static cache length below which decode stays dense) or "auto"')
+            require_int("min_context", self.min_context, 0,
+                        ' (the static cache length below which decode stays dense) or "auto"')
         if not isinstance(self.dense_layers, (list, tuple, set, frozenset, range)):
-            _fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
+            fail(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         for i in self.dense_layers:
-            _int("dense_layers entries", i, 0, " (layer indices; negative ones are not taken)")
+            require_int("dense_layers entries", i, 0, " (layer indices; negative ones are not taken)")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
-        if self.roles is not None and self.roles != "uniform":
-            if (isinstance(self.roles, (str, bytes)) or not isinstance(self.roles, (list, tuple))
-                    or not all(isinstance(r, str) for r in self.roles)):
-                _fail(f"roles must be a list of layer roles (strings) or \"uniform\", got {self.roles!r}")
-            object.__setattr__(self, "roles", tuple(self.roles))
-        if self.encoders is not None and not isinstance(self.encoders, (str, Path)):
-            _fail(f"encoders must be a directory path, got {self.encoders!r}")
-        if self.proposal not in handler.proposals:
-            _fail(f"proposal={self.proposal!r} is not one {self.method!r} takes; valid: {', '.join(handler.proposals)} "
-                  "(how proposal layers score every key: prism takes int2 or hash)")
-        if self.refine not in handler.refines:
-            _fail(f"refine={self.refine!r} is not one {self.method!r} takes; valid: {', '.join(handler.refines)} "
-                  "(how refined layers rank the pool: prism takes exact or int2)")
-        if self.encoders is not None and not handler.uses_encoders(self):
-            which = f"{self.method!r}" + (f" with proposal={self.proposal!r}" if len(handler.proposals) > 1 else "")
-            _fail(f"encoders apply to plans that score with signatures (hash, prism with proposal='hash'), not {which}")
-        if self.roles is not None and not handler.explicit_roles:
-            _fail(f"explicit roles need a plan with proposal and refined layers, not {self.method!r}")
-        if self.window + self.budget > INT32_MAX:  # (a pool is capped by the cache, see methods.prism.pool_size)
-            _fail(f"budget {self.budget} + sink {self.sink} + local {self.local} exceed the int32 cache positions the "
-                  f"kernels index by (at most {INT32_MAX} in all)")
+        object.__setattr__(self, "options", _options_of(handler, self.options))
         handler.validate(self)
 
     # ------------------------------------------------------------------ names
     @classmethod
     def parse(cls, plan: str | Plan | Path, **options) -> Plan:
-        """A plan from its name ("prism-g4"), a Plan, or a JSON file, with options applied."""
+        """A plan from its name (`methods.plan_forms()`), a Plan, or a JSON file, with options applied."""
         if isinstance(plan, Plan):
-            return dataclasses.replace(plan, **_checked_options(options)) if options else plan
+            return plan.replace(**options) if options else plan
         if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
             return cls.load(plan, **options)
         if not isinstance(plan, str):
-            _fail(f"plan must be a name, a Plan or a .json path, got {type(plan).__name__}; "
-                  f"valid plans: {_methods().plan_forms()}")
+            fail(f"plan must be a name, a Plan or a .json path, got {type(plan).__name__}; "
+                 f"valid plans: {methods.plan_forms()}")
         text = plan.strip().lower()
         mass = MASS_NAME.fullmatch(text)
-        found = _methods().parse(mass.group(1) if mass else text)
+        found = methods.parse(mass.group(1) if mass else text)
         if found is None:
-            _fail(f"unknown plan {plan!r}; valid plans: {_methods().plan_forms()}; {MASS_FORM}")
-        method, fields = found
+            fail(f"unknown plan {plan!r}; valid plans: {methods.plan_forms()}; {MASS_FORM}")
+        method, named = found
+        shared = {}
         if mass:
             try:
-                fields["mass"] = float(mass.group(2))
+                shared["mass"] = float(mass.group(2))
             except ValueError:
-                _fail(f"plan {plan!r}: -mass{mass.group(2)} is not a number; {MASS_FORM}")
-        return cls(**{"method": method, **fields, **_checked_options(options)})
+                fail(f"plan {plan!r}: -mass{mass.group(2)} is not a number; {MASS_FORM}")
+        return cls(method=method, **shared, options=named).replace(**options)
+
+    def replace(self, **options) -> Plan:
+        """This plan with options changed by name, shared ones and the method's alike."""
+        handler = methods.get(self.method)
+        shared, own = _split(handler, options)
+        return dataclasses.replace(self, **shared, options=dataclasses.replace(self.options, **own))
 
     @property
     def name(self) -> str:
         """The plan's name, which `parse` reads back ("-mass<p>" only when mass < 1)."""
-        name = _methods().get(self.method).plan_name(self)
+        name = methods.get(self.method).plan_name(self)
         return f"{name}-mass{self.mass!r}" if self.mass < 1 else name
 
     @property
     def description(self) -> str:
-        return _methods().get(self.method).description
+        return methods.get(self.method).description
 
     @property
     def dense(self) -> bool:
         """Whether the plan leaves every layer dense (it rewrites nothing)."""
-        return not _methods().get(self.method).rewrites
-
-    @property
-    def pool(self) -> int:
-        """Candidate pool size of a Prism proposal layer."""
-        return max(self.budget, round(self.rho * self.budget))
+        return not methods.get(self.method).rewrites
 
     @property
     def window(self) -> int:
@@ -191,10 +141,11 @@ class Plan:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
         d["dense_layers"] = list(self.dense_layers)
-        d["roles"] = list(self.roles) if isinstance(self.roles, tuple) else self.roles
-        d["encoders"] = str(self.encoders) if self.encoders is not None else None
+        for f in dataclasses.fields(self.options):
+            value = getattr(self.options, f.name)
+            d[f.name] = list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
         return {"format": FORMAT, "name": self.name, **d}
 
     def save(self, path: str | Path) -> None:
@@ -204,35 +155,61 @@ class Plan:
     def load(cls, path: str | Path, **options) -> Plan:
         path = Path(path)
         if path.is_dir():
-            _fail(f"plan file {str(path)!r} is a directory; give the plan's .json file (Plan.save writes one)")
+            fail(f"plan file {str(path)!r} is a directory; give the plan's .json file (Plan.save writes one)")
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            _fail(f"plan file {str(path)!r} does not exist")
+            fail(f"plan file {str(path)!r} does not exist")
         except (OSError, UnicodeDecodeError) as e:
-            _fail(f"plan file {str(path)!r} cannot be read: {e}")
+            fail(f"plan file {str(path)!r} cannot be read: {e}")
         except json.JSONDecodeError as e:
-            _fail(f"plan file {str(path)!r} is not valid JSON: {e}")
+            fail(f"plan file {str(path)!r} is not valid JSON: {e}")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            _fail(f"{str(path)!r} is not a sparse_fx plan file (expected \"format\": \"{FORMAT}\")")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields - {"format", "name"})
-        if unknown:
-            _fail(f"plan file {str(path)!r} has unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
-        kwargs = {k: v for k, v in data.items() if k in fields}
-        if kwargs.get("dense_layers") is None:
-            kwargs.pop("dense_layers", None)
+            fail(f"{str(path)!r} is not a sparse_fx plan file (expected \"format\": \"{FORMAT}\")")
+        fields = {k: v for k, v in data.items() if k not in ("format", "name")}
+        if fields.get("dense_layers") is None:
+            fields.pop("dense_layers", None)
         try:
-            return cls(**{**kwargs, **_checked_options(options)})
+            method = fields.pop("method", "dense")
+            shared = {k: fields.pop(k) for k in ("note",) if k in fields}
+            plan = cls(method=method, **shared)
+            for key in _of_other_methods_at_their_defaults(method, fields):
+                del fields[key]
+            return plan.replace(**{**fields, **options})
         except ValueError as e:
             raise ValueError(f"{e} (in plan file {str(path)!r})") from None
 
 
-PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("method", "note"))
+SHARED = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("method", "options", "note"))
 
 
-def _checked_options(options: dict) -> dict:
-    unknown = sorted(set(options) - set(PLAN_OPTIONS))
+def _split(handler: methods.Method, options: dict) -> tuple[dict, dict]:
+    """Options by name -> (the plan's shared fields, the method's own), or an error naming both kinds."""
+    own_names = [f.name for f in dataclasses.fields(handler.options)]
+    unknown = sorted(set(options) - set(SHARED) - set(own_names))
     if unknown:
-        _fail(f"unknown plan option(s) {unknown}; valid options: {', '.join(PLAN_OPTIONS)}")
-    return options
+        others = sorted({m.name for m in methods.registered() for f in dataclasses.fields(m.options) if f.name in unknown})
+        why = f" ({', '.join(unknown)}: an option of {', '.join(others)})" if others else ""
+        fail(f"unknown plan option(s) {unknown} for {handler.name!r}{why}; valid options: {', '.join(SHARED)}"
+             + (f"; {handler.name}'s own: {', '.join(own_names)}" if own_names else ""))
+    return ({k: v for k, v in options.items() if k in SHARED}, {k: v for k, v in options.items() if k not in SHARED})
+
+
+def _options_of(handler: methods.Method, given):
+    """The method's options dataclass from None (its defaults), a dict of fields, or itself."""
+    if given is None:
+        return handler.options()
+    if isinstance(given, handler.options):
+        return given
+    if isinstance(given, dict):
+        _split(handler, {k: v for k, v in given.items() if k not in SHARED})
+        return handler.options(**{k: v for k, v in given.items() if k not in SHARED})
+    fail(f"options must be a {handler.options.__name__} or a dict of {handler.name!r}'s options, got {given!r}")
+
+
+def _of_other_methods_at_their_defaults(method: str, fields: dict) -> set[str]:
+    """Keys of a plan file that are another method's options at their default values: files written
+    while every option lived on Plan carry them all."""
+    own = {f.name for f in dataclasses.fields(methods.get(method).options)} if isinstance(method, str) else set()
+    defaults = {f.name: f.default for m in methods.registered() for f in dataclasses.fields(m.options)}
+    return {k for k, v in fields.items() if k not in own and k in defaults and v == defaults[k]}

@@ -82,7 +82,7 @@ class _Edit:
         view = MethodSite(layer=site.layer, role=role, q=site.q, k=site.k_base, v=site.v_base, mask=site.mask,
                           scale=a["scale"], pos=site.k_write.pos, start=self._start(site.mask, kv), kv=kv,
                           q_heads=meta(site.q).shape[1], side=side, carry=self.carry)
-        chosen = self.method.select(self.emit, state, view)
+        chosen = self.method.select(self.emit, state.context, view)
         if chosen.indices is None:
             return self._dense(site, row.dense(chosen.dense_reason))
         row.budget = state.budget_text() + chosen.note
@@ -146,7 +146,7 @@ class _Edit:
         w = site.k_write
         emit = self.emit.at(w.node.next)
         stored = emit.call(torch.index_select, w.cache, 2, w.pos)
-        self.method.write(emit, state, site.layer, kv, side, stored, w.pos)
+        self.method.write(emit, state.context, site.layer, kv, side, stored, w.pos)
         row.side_cache = f"{'+'.join(specs)} {state.side_caches.nbytes(site.layer) / 2**20:.2f} MiB"
         row.side_cache_bytes = state.side_caches.nbytes(site.layer)
         return side

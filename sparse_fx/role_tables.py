@@ -27,18 +27,20 @@ SHAPES = ("model_type", "num_layers", "q_heads", "kv_heads", "head_dim")
 
 def table_of(plan: Plan, fingerprint: dict, made_by: str) -> dict:
     """A shippable table from a calibrated plan (`sparse_fx.calibrate`) and its model's fingerprint."""
-    if not methods.get(plan.method).shipped_roles or not isinstance(plan.roles, tuple):
-        raise ValueError(f"sparse_fx: a role table needs a calibrated prism plan, not {plan.name!r}")
-    return {"format": FORMAT, "group": plan.group, "proposals": [plan.proposal], "roles": list(plan.roles),
+    if not methods.get(plan.method).shipped_roles or not isinstance(plan.options.roles, tuple):
+        raise ValueError(f"sparse_fx: a role table needs a calibrated plan with layer roles, not {plan.name!r}")
+    o = plan.options
+    return {"format": FORMAT, "group": o.group, "proposals": [o.proposal], "roles": list(o.roles),
             "fingerprint": fingerprint, "made_by": made_by, "note": plan.note}
 
 
 def resolve(plan: Plan, model, info) -> Plan:
     """`plan` with the shipped roles of this model if it asks for the default roles and a table matches."""
-    if not methods.get(plan.method).shipped_roles or plan.roles is not None:
+    if not methods.get(plan.method).shipped_roles or plan.options.roles is not None:
         return plan
+    o = plan.options
     shapes = {k: getattr(info, k) for k in SHAPES}
-    candidates = [(path, t) for path, t in _tables() if t["group"] == plan.group and plan.proposal in t["proposals"]
+    candidates = [(path, t) for path, t in _tables() if t["group"] == o.group and o.proposal in t["proposals"]
                   and {k: t["fingerprint"].get(k) for k in SHAPES} == shapes]
     if not candidates:
         return plan
@@ -46,8 +48,8 @@ def resolve(plan: Plan, model, info) -> Plan:
     for path, t in candidates:
         if same_weights(t["fingerprint"]["weights"], sample):
             note = (f"roles: calibrated for this model (sparse_fx/roles/{path.name}: {t['made_by']}); "
-                    f"{dataclasses.replace(plan, roles='uniform').name} or roles='uniform' for the uniform grouping")
-            return dataclasses.replace(plan, roles=tuple(t["roles"]), note="; ".join(n for n in (plan.note, note) if n))
+                    f"{plan.replace(roles='uniform').name} or roles='uniform' for the uniform grouping")
+            return dataclasses.replace(plan.replace(roles=tuple(t["roles"])), note="; ".join(n for n in (plan.note, note) if n))
     return plan
 
 

@@ -49,8 +49,8 @@ def test_calibration_returns_a_valid_role_assignment(model, group, proposal, obj
                                **OPTIONS)
     assert not {"forward", "_prepare_static_cache"} & set(plain.__dict__), "calibrate must leave the model as it was"
     assert plain.config._attn_implementation == "eager" and plain.generation_config.disable_compile == settings
-    assert len(plan.roles) == 6 and plan.roles[0] == "proposal"
-    assert plan.roles.count("proposal") == math.ceil(6 / group) and set(plan.roles) <= {"proposal", "refined"}
+    assert len(plan.options.roles) == 6 and plan.options.roles[0] == "proposal"
+    assert plan.options.roles.count("proposal") == math.ceil(6 / group) and set(plan.options.roles) <= {"proposal", "refined"}
     suffix = "-hash" if proposal == "hash" else ""
     assert "calibrated on 2 windows" in plan.note and plan.name == f"prism-g{group}{suffix}-calibrated"
     plan.save(tmp_path / "p.json")
@@ -60,7 +60,7 @@ def test_calibration_returns_a_valid_role_assignment(model, group, proposal, obj
     with torch.no_grad():
         compiled(ids[:, :30], past_key_values=cache)
         compiled(ids[:, 30:31], past_key_values=cache)
-    assert [r.role for r in sparse_fx.explain(compiled)] == list(plan.roles)
+    assert [r.role for r in sparse_fx.explain(compiled)] == list(plan.options.roles)
 
 
 def test_plan_for_another_layer_count_is_a_clear_error(model, tmp_path):

@@ -7,6 +7,7 @@ from transformers import StaticCache
 
 import sparse_fx
 from families import tiny_model
+from support import options_for
 from sparse_fx.api import sparse_state
 from sparse_fx.lowering import reference as ref
 from sparse_fx.runtime.caches import KVShape
@@ -43,14 +44,14 @@ def assert_side_caches_match_the_keys(model, cache, n):
             expect = ref.pack_signs(apply_head_mlp(keys[:, :, :n], *enc.key.params()))
             assert torch.equal(side["signatures"][:, :, :n], expect), f"layer {layer} signatures"
         if "codes" in side:
-            c, prm = ref.int2_quantize(keys[:, :, :n], state.plan.int2_group)
+            c, prm = ref.int2_quantize(keys[:, :, :n], state.plan.options.int2_group)
             assert torch.equal(side["codes"][:, :, :n], c) and torch.equal(side["params"][:, :, :n], prm), f"layer {layer} INT2"
 
 
 @pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "prism-g2-hash-int2refine", "static-g2", "oracle"])
 def test_twenty_decode_steps_no_recompile_and_side_caches_match_recomputation(plan):
     model = tiny_model("llama", layers=4)
-    sparse_fx.compile(model, plan, backend="eager", **PLAN_OPTIONS)
+    sparse_fx.compile(model, plan, backend="eager", **options_for(plan, **PLAN_OPTIONS))
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))
     cache = StaticCache(config=model.config, max_cache_len=48)
     step_through(model, ids, 20, cache)
@@ -65,7 +66,7 @@ def test_prism_g1_with_signature_proposals_is_hash():
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(5))
     out = {}
     for plan in ("hash", "prism-g1-hash"):
-        model = sparse_fx.compile(tiny_model("llama", layers=3), plan, backend="eager", **PLAN_OPTIONS)
+        model = sparse_fx.compile(tiny_model("llama", layers=3), plan, backend="eager", **options_for(plan, **PLAN_OPTIONS))
         out[plan] = step_through(model, ids, 30, StaticCache(config=model.config, max_cache_len=48))
     for a, b in zip(out["hash"], out["prism-g1-hash"]):
         assert torch.equal(a, b)
@@ -77,7 +78,7 @@ def test_prefill_logits_are_the_dense_models():
     with torch.no_grad():
         want = dense(ids, past_key_values=StaticCache(config=dense.config, max_cache_len=40)).logits
     for plan in ("oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2"):
-        model = sparse_fx.compile(tiny_model("llama", layers=3), plan, backend="eager", **PLAN_OPTIONS)
+        model = sparse_fx.compile(tiny_model("llama", layers=3), plan, backend="eager", **options_for(plan, **PLAN_OPTIONS))
         with torch.no_grad():
             got = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=40)).logits
         assert torch.equal(got, want), plan
@@ -88,14 +89,14 @@ def test_side_caches_keep_their_addresses_and_a_shorter_sequence_reads_nothing_s
     the longer one left behind are never read, so nothing needs clearing."""
     gen = torch.Generator().manual_seed(3)
     long_ids, short_ids = torch.randint(1, 128, (1, 30), generator=gen), torch.randint(1, 128, (1, 12), generator=gen)
-    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **PLAN_OPTIONS)
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **options_for("hash", **PLAN_OPTIONS))
     cache = StaticCache(config=model.config, max_cache_len=40)
     step_through(model, long_ids, 20, cache)
     ptrs = [t.data_ptr() for t in sparse_state(model).side_caches.of_layer(0)]
     cache.reset()
     reused = step_through(model, short_ids, 6, cache)
     assert [t.data_ptr() for t in sparse_state(model).side_caches.of_layer(0)] == ptrs
-    fresh = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **PLAN_OPTIONS)
+    fresh = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **options_for("hash", **PLAN_OPTIONS))
     for a, b in zip(reused, step_through(fresh, short_ids, 6, StaticCache(config=fresh.config, max_cache_len=40))):
         assert torch.equal(a, b)
 
@@ -146,7 +147,7 @@ def test_generate_with_budget_covering_context_equals_dense(plan):
     ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         dense = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
-        sparse_fx.compile(model, plan, backend="eager", budget=64, sink=2, local=3, int2_group=8)
+        sparse_fx.compile(model, plan, backend="eager", **options_for(plan, budget=64, sink=2, local=3, int2_group=8))
         sparse = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
     assert torch.equal(dense, sparse)
     assert len(sparse_fx.explain(model).sparse_layers) == 4
@@ -193,7 +194,7 @@ def test_inductor_decode_matches_the_eager_graph_and_writes_exact_side_caches():
     outs = {}
     for backend in ("eager", "inductor"):
         for plan in ("prism-g2", "hash"):
-            model = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend=backend, **PLAN_OPTIONS)
+            model = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend=backend, **options_for(plan, **PLAN_OPTIONS))
             cache = StaticCache(config=model.config, max_cache_len=32)
             outs[backend, plan] = step_through(model, ids, 16, cache)
             assert_side_caches_match_the_keys(model, cache, 24)

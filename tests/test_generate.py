@@ -12,6 +12,7 @@ from transformers import StaticCache
 
 import sparse_fx
 from families import tiny_model
+from support import options_for
 from sparse_fx.api import sparse_state
 from test_decode import assert_side_caches_match_the_keys
 
@@ -29,7 +30,7 @@ def test_fifty_calls_with_random_prompt_lengths_all_succeed_on_few_graphs():
     """Prompt lengths 1..4000 and random max_new_tokens: every call works, and the decode graphs
     stay few (prefill is not compiled; static caches grow in 1/16-octave buckets)."""
     model = sparse_fx.compile(tiny_model("llama", layers=2, max_position_embeddings=8192), "hash",
-                              backend="eager", **SMALL)
+                              backend="eager", **options_for("hash", **SMALL))
     rng = random.Random(0)
     for _ in range(50):
         n, new = rng.randint(1, 4000), rng.randint(1, 6)
@@ -43,7 +44,7 @@ def test_fifty_calls_with_random_prompt_lengths_all_succeed_on_few_graphs():
 
 @pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine"])
 def test_beam_search_keeps_side_caches_in_step_with_the_reordered_keys(plan):
-    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
+    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **options_for(plan, **SMALL))
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, do_sample=False, num_beams=2, cache_implementation="static",
@@ -56,7 +57,7 @@ def test_beam_search_keeps_side_caches_in_step_with_the_reordered_keys(plan):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(plan):
-    model = sparse_fx.compile(tiny_model("llama", layers=4, pad_token_id=0), plan, backend="eager", **SMALL)
+    model = sparse_fx.compile(tiny_model("llama", layers=4, pad_token_id=0), plan, backend="eager", **options_for(plan, **SMALL))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 128, (n,), generator=g) for n in (37, 21)]
     pad = max(len(p) for p in prompts)
@@ -78,13 +79,13 @@ def test_each_row_of_a_left_padded_batch_decodes_as_its_prompt_alone(plan):
 def test_continuing_from_a_returned_cache_equals_one_call(plan):
     """A chat's next turn passes the last call's cache back: the side caches must carry on from it,
     so 5 + 7 tokens in two calls are the 12 tokens of one call, and every slot matches its keys."""
-    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
+    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **options_for(plan, **SMALL))
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(3))
     first = generate(model, ids, 5, return_dict_in_generate=True)
     with torch.no_grad():
         second = model.generate(first.sequences, max_new_tokens=7, min_new_tokens=7, do_sample=False,
                                 past_key_values=first.past_key_values, return_dict_in_generate=True)
-    whole = generate(sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL), ids, 12)
+    whole = generate(sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **options_for(plan, **SMALL)), ids, 12)
     assert torch.equal(second.sequences, whole)
     cache = second.past_key_values
     assert_side_caches_match_the_keys(model, cache, int(cache.layers[0].cumulative_length))
@@ -93,7 +94,7 @@ def test_continuing_from_a_returned_cache_equals_one_call(plan):
 @pytest.mark.parametrize("plan", PLANS)
 def test_first_tokens_do_not_depend_on_max_new_tokens(plan):
     """Ties at the top-k cut are broken by candidate position, whatever the cache length."""
-    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **SMALL)
+    model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", **options_for(plan, **SMALL))
     # A 490-token prompt: 20 and 21 new tokens decode on a cache of 512 slots (generate() rounds the
     # length up, `cache_bucket`), 30 on one of 768. (A 300-token prompt needed 280 new tokens to
     # reach 768 slots: 250 decode steps more per plan.)
@@ -171,7 +172,7 @@ def test_encoders_of_another_model_with_the_same_shapes_are_refused(tmp_path):
 def test_an_encoder_directory_sets_the_signature_width(tmp_path):
     _encoders(tiny_model("llama", layers=2), tmp_path, bits=64)
     model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", encoders=tmp_path, backend="eager")
-    assert sparse_state(model).plan.bits == 64
+    assert sparse_state(model).plan.options.bits == 64
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(7))
     assert generate(model, ids, 3).shape == (1, 15)
 
@@ -265,7 +266,7 @@ def test_a_budget_covering_the_whole_cache_decodes_exactly_the_dense_tokens_in_e
     seed = {torch.float16: 5}.get(dtype, 2)
     ids = torch.randint(1, 128, (6, 300), generator=torch.Generator().manual_seed(seed))
     dense = generate(model, ids, 32)  # a static cache of 512 tokens (cache_bucket(332))
-    sparse_fx.compile(model, plan, backend="eager", budget=512 - 5, sink=2, local=3, int2_group=8, strict=True)
+    sparse_fx.compile(model, plan, backend="eager", strict=True, **options_for(plan, budget=512 - 5, sink=2, local=3, int2_group=8))
     assert torch.equal(generate(model, ids, 32), dense)
     report = sparse_fx.explain(model)
     assert report.sparse_layers == [] and report.side_cache_bytes == 0
@@ -278,7 +279,7 @@ def test_cost_follows_the_cache_not_the_budget(plan):
     past the cache's candidates is capped to them, fixed in the graph; a budget no int32 position
     can hold is refused at compile."""
     ids = torch.randint(1, 128, (1, 58), generator=torch.Generator().manual_seed(6))
-    huge = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", budget=2**20, int2_group=8)
+    huge = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", **options_for(plan, budget=2**20, int2_group=8))
     assert torch.equal(generate(huge, ids, 8), generate(tiny_model("llama", layers=2), ids, 8))
     assert "cover the whole static cache of 256 tokens" in sparse_fx.explain(huge).rows[0].reason
     if plan.startswith("prism"):  # 256 - 5 = 251 candidates; rho 4 x 100 would be 400
@@ -308,7 +309,7 @@ def test_dense_layers_beyond_the_model_are_refused():
 
 def _prefilled(batch: int, seed: int):
     """A small hash model, 20 prompt tokens per row and the StaticCache they filled."""
-    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **SMALL)
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **options_for("hash", **SMALL))
     ids = torch.randint(1, 128, (batch, 20), generator=torch.Generator().manual_seed(seed))
     cache = StaticCache(config=model.config, max_cache_len=32)
     with torch.no_grad():

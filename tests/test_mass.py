@@ -22,6 +22,7 @@ from transformers import StaticCache
 
 import sparse_fx
 from families import tiny_model
+from support import options_for
 from opcheck import DEV, MORE, SENTINEL, gen, make_mask, poisoned
 from sparse_fx.lowering import reference as ref
 from test_decode import step_through
@@ -214,7 +215,7 @@ def test_mass_one_is_todays_plan_and_with_a_covering_budget_equals_dense(plan):
     ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         dense = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
-        sparse_fx.compile(model, plan, backend="eager", **dict(OPTIONS, budget=64), mass=1.0)
+        sparse_fx.compile(model, plan, backend="eager", mass=1.0, **options_for(plan, **dict(OPTIONS, budget=64)))
         sparse = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
     assert torch.equal(sparse, dense)
 
@@ -224,7 +225,7 @@ def test_decode_with_mass_is_finite_within_budget_and_never_recompiles(plan):
     """A random tiny model attends almost uniformly: p of the mass needs about p of the candidates."""
     budget = 24
     model = sparse_fx.compile(tiny_model("llama", layers=4), plan, backend="eager", measure=True,
-                              **dict(OPTIONS, budget=budget))
+                              **options_for(plan, **dict(OPTIONS, budget=budget)))
     ids = torch.randint(1, 128, (2, 44), generator=torch.Generator().manual_seed(2))
     outs = step_through(model, ids, 20, StaticCache(config=model.config, max_cache_len=48))
     assert all(torch.isfinite(o).all() for o in outs)

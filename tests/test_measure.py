@@ -8,6 +8,7 @@ from transformers import StaticCache
 
 import sparse_fx
 from families import tiny_model
+from support import options_for
 
 OPTIONS = dict(budget=6, sink=2, local=3, int2_group=8, rho=2.0)
 
@@ -20,8 +21,8 @@ def model():
 @pytest.mark.parametrize("plan", ["hash", "prism-g2", "static-g2", "oracle"])
 def test_attach_cache_after_dense_prefill_equals_sparse_prefill(model, plan):
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    a = sparse_fx.compile(copy.deepcopy(model), plan, backend="eager", **OPTIONS)
-    b = sparse_fx.compile(copy.deepcopy(model), plan, backend="eager", **OPTIONS)
+    a = sparse_fx.compile(copy.deepcopy(model), plan, backend="eager", **options_for(plan, **OPTIONS))
+    b = sparse_fx.compile(copy.deepcopy(model), plan, backend="eager", **options_for(plan, **OPTIONS))
     ca, cb = StaticCache(config=model.config, max_cache_len=48), StaticCache(config=model.config, max_cache_len=48)
     with torch.no_grad():
         a(ids[:, :30], past_key_values=ca)

@@ -1,6 +1,8 @@
 """The method registry: each method's layer roles and side cache, and a new method in one file
 (this one) that compiles, runs and appears in explain() without touching the package."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from transformers import StaticCache
@@ -8,7 +10,8 @@ from transformers import StaticCache
 import sparse_fx
 from families import tiny_model
 from sparse_fx import Plan, methods
-from sparse_fx.methods import Method, Selection
+from sparse_fx.methods import Method, Options, Selection
+from sparse_fx.api import sparse_state
 from sparse_fx.runtime.caches import KVShape
 
 
@@ -54,19 +57,31 @@ def test_side_caches_by_role():
     assert methods.get("oracle").side_cache("sparse", kv, Plan.parse("oracle")) == {}
 
 
+@dataclass(frozen=True)
+class RecentOptions(Options):
+    oldest: bool = False  # the oldest positions instead of the most recent
+
+
 class Recent(Method):
-    """A toy method: attend to the `budget` most recent positions (beside sink and local)."""
+    """A toy method: attend to the `budget` most recent (or oldest) positions beside sink and local;
+    its option is its own, declared here."""
 
     name = "recent"
     description = "the most recent tokens (a test method)"
+    options = RecentOptions
 
-    def select(self, emit, state, site):
-        scores = emit.call(_positions_as_scores, site.k)
-        return Selection(self.topk(emit, state, site, scores, state.plan.budget), note=", most recent")
+    def validate(self, plan):
+        if not isinstance(plan.options.oldest, bool):
+            raise ValueError(f"sparse_fx: oldest must be True or False, got {plan.options.oldest!r}")
+
+    def select(self, emit, ctx, site):
+        scores = emit.call(_positions_as_scores, site.k, ctx.plan.options.oldest)
+        return Selection(self.topk(emit, ctx, site, scores, ctx.plan.budget), note=", most recent")
 
 
-def _positions_as_scores(k: torch.Tensor) -> torch.Tensor:
-    return torch.arange(k.shape[2], device=k.device, dtype=torch.float32).expand(k.shape[0], k.shape[1], k.shape[2])
+def _positions_as_scores(k: torch.Tensor, oldest: bool) -> torch.Tensor:
+    scores = torch.arange(k.shape[2], device=k.device, dtype=torch.float32).expand(k.shape[0], k.shape[1], k.shape[2])
+    return -scores if oldest else scores
 
 
 @pytest.fixture
@@ -97,6 +112,14 @@ def test_a_new_method_is_one_file(recent):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(c, d)
     assert max((a - d).abs().max() for a, d in zip(small, dense)) > 1e-3, "11 of ~35 tokens must differ from dense"
+    oldest = sparse_fx.compile(tiny_model("llama", layers=2), "recent", backend="eager", budget=6, sink=2, local=3,
+                               oldest=True)
+    assert sparse_state(oldest).plan.options == RecentOptions(oldest=True)
+    assert max((a - b).abs().max() for a, b in zip(_decode(oldest, ids), small)) > 1e-3
+    with pytest.raises(ValueError, match="oldest must be True or False, got 'yes'"):
+        Plan.parse("recent", oldest="yes")
+    with pytest.raises(ValueError, match=r"\['rho'\] for 'recent' \(rho: an option of prism, static\).*recent's own: oldest"):
+        Plan.parse("recent", rho=2.0)
     assert "recent" in methods.plan_forms()
     with pytest.raises(ValueError, match="lowercase name"):
         methods.register(type("Bad", (Method,), {"name": "Bad Name"})())

@@ -12,6 +12,7 @@ import torch
 
 import sparse_fx
 from families import tiny_model
+from support import options_for
 from sparse_fx import methods
 from sparse_fx.api import sparse_state
 from sparse_fx.runtime.caches import KVShape
@@ -36,7 +37,7 @@ def test_a_cache_shorter_than_min_context_decodes_as_the_dense_model(plan):
     base = tiny_model("llama", layers=4)
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(5))
     want_tokens, want_logits = logits_of(base, ids, 10)
-    model = sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", strict=True, min_context=1000, **SMALL)
+    model = sparse_fx.compile(copy.deepcopy(base), plan, backend="eager", strict=True, min_context=1000, **options_for(plan, **SMALL))
     with pytest.warns(UserWarning, match=r"keeps dense attention: static cache of 256 tokens is shorter than 1000"):
         got_tokens, got_logits = logits_of(model, ids, 10)
     assert torch.equal(got_tokens, want_tokens)
@@ -87,7 +88,7 @@ def test_a_compiled_prefill_on_a_short_cache_writes_no_side_cache():
 
 
 def test_explain_before_a_decode_shows_the_layers_a_long_cache_runs_sparse():
-    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=10**6, **SMALL)
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=10**6, **options_for("hash", **SMALL))
     report = sparse_fx.explain(model)
     assert report.traced and report.sparse_layers == [0, 1], str(report)
     assert any("min_context 1000000" in note for note in report.notes)
@@ -108,7 +109,7 @@ def kv(batch, kv_heads, length, device=CUDA):
     ("oracle", 1, 8, 2048, False),  # the quality ceiling has no speed rule
 ])
 def test_auto_on_cuda_follows_the_measured_points_by_kv_rows(plan, batch, heads, length, dense):
-    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", int2_group=8))
+    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", **options_for(plan, int2_group=8)))
     reason = state.short(kv(batch, heads, length))
     assert bool(reason) == dense, reason
     if dense:
@@ -117,10 +118,10 @@ def test_auto_on_cuda_follows_the_measured_points_by_kv_rows(plan, batch, heads,
 
 
 def test_an_explicit_min_context_holds_on_any_device():
-    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=0, **SMALL))
+    state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=0, **options_for("hash", **SMALL)))
     assert state.short(kv(1, 8, 256)) is None
     state = sparse_state(sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", min_context=300,
-                                           **SMALL))
+                                           **options_for("hash", **SMALL)))
     assert state.short(kv(1, 8, 299, CPU)) and state.short(kv(1, 8, 300, CPU)) is None
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sparse_fx
+from support import options_for
 from sparse_fx.api import sparse_state
 from toy import FORMS, ToyDecoder
 
@@ -37,7 +38,7 @@ COVER = dict(budget=40, sink=2, local=3)  # cover every filled slot (at most 30)
 @pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine", "static-g2"])
 def test_budget_covering_context_equals_dense_in_every_call_form(form, plan):
     dense = ToyDecoder(form=form)
-    sparse = compiled(dense, plan, int2_group=8, **COVER)
+    sparse = compiled(dense, plan, **options_for(plan, int2_group=8, **COVER))
     for a, b in zip(run(dense), run(sparse)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     report = sparse_fx.explain(sparse)

@@ -17,13 +17,13 @@ from sparse_fx import Plan
 )
 def test_parse_names(name, method, group):
     p = Plan.parse(name)
-    assert (p.method, p.group) == (method, group)
+    assert (p.method, getattr(p.options, "group", 4)) == (method, group)
     assert Plan.parse(p.name) == p
 
 
 def test_options_override_and_pool():
     p = Plan.parse("prism-g4", budget=512, rho=2.5, sink=4, local=16)
-    assert (p.budget, p.pool, p.window) == (512, 1280, 20)
+    assert (p.budget, p.options.pool(p.budget), p.window) == (512, 1280, 20)
 
 
 @pytest.mark.parametrize(
@@ -39,19 +39,19 @@ def test_options_override_and_pool():
         ("hash", {"seed": "x"}, r"seed must be an int, got 'x' \(str\)"),
         ("hash", {"seed": True}, "seed must be an int"),
         ("prism-g4", {"rho": "4"}, r"rho \(pool size / budget\) must be a number >= 1, got '4'"),
-        ("prism-g0", {}, "group must be >= 1"),
+        ("prism-g0", {}, "group must be an int >= 1"),
         ("prism-g4", {"rho": 0.5}, "rho"),
         ("hash", {"dense_layers": [-1]}, r"dense_layers entries must be an int >= 0 .*negative.*got -1"),
         ("hash", {"dense_layers": 1}, "dense_layers must be a list of layer indices, got 1"),
         ("hash", {"dense_layers": ["0"]}, "dense_layers entries must be an int"),
-        ("hash", {"budgte": 3}, r"unknown plan option\(s\) \['budgte'\]; valid options: group, budget"),
-        ("hash", {"roles": ("proposal",)}, "explicit roles need a plan with proposal and refined layers"),
+        ("hash", {"budgte": 3}, r"unknown plan option\(s\) \['budgte'\] for 'hash'; valid options: budget, .*hash's own: bits"),
+        ("hash", {"roles": ("proposal",)}, r"\['roles'\] for 'hash' \(roles: an option of prism, static\)"),
         ("prism-g4", {"roles": "proposal"}, "roles must be a list of layer roles"),
         ("prism-g4", {"roles": ("refined", "proposal")}, "first sparse layer must be a proposal"),
         ("prism-g4", {"roles": ("proposal", "bogus")}, "unknown layer roles"),
         ("hash", {"encoders": 3}, "encoders must be a directory path"),
         ("prism-g4", {"proposal": "int4"}, r"proposal='int4' is not one 'prism' takes; valid: int2, hash"),
-        ("hash", {"proposal": "hash"}, r"proposal='hash' is not one 'hash' takes; valid: int2"),
+        ("hash", {"proposal": "hash"}, r"\['proposal'\] for 'hash' \(proposal: an option of prism, static\)"),
         ("hash-hash", {}, "unknown plan"),
         ("hash", {"min_context": -1}, r'min_context must be an int >= 0 \(the static cache length .*\) or "auto", got -1'),
         ("prism-g4", {"min_context": "fast"}, r"min_context must be an int >= 0 .*got 'fast' \(str\)"),
@@ -77,7 +77,7 @@ def test_json_round_trip(tmp_path):
 @pytest.mark.parametrize("text, match", [
     ("{", "not valid JSON"),
     ('{"method": "hash"}', "not a sparse_fx plan file"),
-    ('{"format": "sparse_fx.plan/1", "method": "hash", "wat": 1}', "unknown keys"),
+    ('{"format": "sparse_fx.plan/1", "method": "hash", "wat": 1}', r"unknown plan option\(s\) \['wat'\].*in plan file"),
     ('{"format": "sparse_fx.plan/1", "method": "hash", "dense_layers": 1}', r"dense_layers must be a list.*in plan file"),
     ('{"format": "sparse_fx.plan/1", "method": "nope"}', r"unknown method 'nope'.*in plan file"),
 ])
@@ -99,9 +99,9 @@ def test_missing_plan_file_and_a_directory(tmp_path):
 
 
 def test_hash_widths_and_encoder_paths():
-    assert Plan.parse("hash-b128").bits == 128 and Plan.parse("hash-b128").name == "hash-b128"
+    assert Plan.parse("hash-b128").options.bits == 128 and Plan.parse("hash-b128").name == "hash-b128"
     p = Plan.parse("hash", encoders="enc/")
-    assert p.name == "hash-learned" and p.encoders == "enc/"
+    assert p.name == "hash-learned" and p.options.encoders == "enc/"
     with pytest.raises(ValueError, match="multiple of 32"):
         Plan.parse("hash-b48")
     with pytest.raises(ValueError, match=r"encoders apply to plans that score with signatures .*not 'prism' with proposal='int2'"):
@@ -110,8 +110,8 @@ def test_hash_widths_and_encoder_paths():
 
 def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
     by_name, by_option = Plan.parse("prism-g4-hash"), Plan.parse("prism-g4", proposal="hash")
-    assert by_name == by_option and by_name.proposal == "hash" and by_name.name == "prism-g4-hash"
-    assert Plan.parse("prism-g4").proposal == "int2"
+    assert by_name == by_option and by_name.options.proposal == "hash" and by_name.name == "prism-g4-hash"
+    assert Plan.parse("prism-g4").options.proposal == "int2"
     p = Plan.parse("prism-g2-hash", encoders="enc/", roles=("proposal", "refined"))
     assert p.name == "prism-g2-hash-learned-calibrated"
     p.save(tmp_path / "p.json")
@@ -120,9 +120,9 @@ def test_signature_proposals_by_name_or_option_and_in_files(tmp_path):
 
 def test_refined_layers_rank_by_int2_keys_by_name_or_option_and_in_files(tmp_path):
     by_name, by_option = Plan.parse("prism-g4-int2refine"), Plan.parse("prism-g4", refine="int2")
-    assert by_name == by_option and by_name.refine == "int2" and Plan.parse("prism-g4").refine == "exact"
+    assert by_name == by_option and by_name.options.refine == "int2" and Plan.parse("prism-g4").options.refine == "exact"
     p = Plan.parse("prism-g2-hash-int2refine", roles=("proposal", "refined"))
-    assert p.name == "prism-g2-hash-int2refine-calibrated" and (p.proposal, p.refine) == ("hash", "int2")
+    assert p.name == "prism-g2-hash-int2refine-calibrated" and (p.options.proposal, p.options.refine) == ("hash", "int2")
     p.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == p
     with pytest.raises(ValueError, match=r"refine='int8' is not one 'prism' takes; valid: exact, int2"):

@@ -3,7 +3,7 @@
 Two runs at context 512 (sink 32 + local 32, 2 held-out windows x 32 teacher-forced steps, 2
 passkey trials at 2 depths): every plan at sparsity 4, and oracle with a budget covering the
 context, which must be dense to the token. A third, without passkeys, at sparsity 8 checks the
-one-pass teacher forcing of bench/teacher_agreement.py where Prism pools are real subsets.
+one-pass teacher forcing (sparse_fx.offline.agreement) where Prism pools are real subsets.
 About 4 minutes on 2 CPU cores.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sparse_fx
-from sparse_fx.offline import harness
+from sparse_fx.offline import agreement, harness
 from sparse_fx.lowering.reference import first_readable
 from sparse_fx.methods import Site
 from sparse_fx.model_info import ModelInfo
@@ -132,10 +132,9 @@ ONE_PASS = [(plan, 4) for plan in PLANS[1:]] + [(plan, 8) for plan in POOLED]
 
 @pytest.fixture(scope="module")
 def one_pass(smollm2):
-    """sparsity -> bench/teacher_agreement.py's one-pass rows of the ONE_PASS plans at it: one evaluate
+    """sparsity -> sparse_fx.offline.agreement's one-pass rows of the ONE_PASS plans at it: one evaluate
     per sparsity, its plans sharing each window's dense forward (a plan's row is the same alone or
     with others: each has its own Selector, reset before its forward)."""
-    agreement = bench_script("teacher_agreement")
     model, tok = smollm2
     s = settings()
     rows = {}
@@ -152,7 +151,7 @@ def one_pass(smollm2):
 
 @pytest.mark.parametrize("plan, sparsity", ONE_PASS)
 def test_one_pass_teacher_forcing_equals_the_harness(one_pass, request, plan, sparsity):
-    """bench/teacher_agreement.py scores many tokens in one masked forward pass instead of decoding them:
+    """sparse_fx.offline.agreement scores many tokens in one masked forward pass instead of decoding them:
     on the harness's windows and tokens it must give the harness's agreement, CE delta and tokens kept.
 
     Not to the last bit: the one pass computes q and k for every position at once and scores many rows
@@ -196,7 +195,6 @@ def mlp_encoders(smollm2, tmp_path_factory):
 def test_one_pass_selection_is_the_decode_steps(smollm2, mlp_encoders, monkeypatch, plan):
     """The one-pass selector's rows (left-padded, several per chunk) choose what the plan's decode step
     chooses at each position on an unpadded cache, key for key, ties and Prism pools included."""
-    agreement = bench_script("teacher_agreement")
     model, _ = smollm2
     T, E, Hq, Hkv, D = 300, 40, 9, 3, 64
     monkeypatch.setattr(agreement, "ROW_KEYS", 16 * T)  # rows in chunks of 16: chunks carry pools of their own
@@ -218,13 +216,13 @@ def test_one_pass_selection_is_the_decode_steps(smollm2, mlp_encoders, monkeypat
             site = Site(layer=layer, role=ref.state.role(layer), q=q[:, :, e : e + 1], k=k, v=None, mask=mask, scale=D**-0.5,
                         pos=torch.tensor([p]), start=first_readable(mask, 1, T), kv=KVShape.of(k), q_heads=Hq, side=side,
                         carry=carry)
-            idx = ref.state.method.select(ref.emit, ref.state, site).indices.long()[0]
+            idx = ref.state.method.select(ref.emit, ref.state.context, site).indices.long()[0]
             want = torch.zeros(Hkv, T + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx, T), True)[:, :T]
             assert torch.equal(got[:, e], want), (layer, e)
 
 
 def test_one_pass_passkey_equals_the_harness(smollm2, reduced, monkeypatch):
-    """bench/teacher_agreement.py's teacher-forced pass key: a plan finds the key exactly when the
+    """sparse_fx.offline.agreement's teacher-forced pass key: a plan finds the key exactly when the
     harness's greedy answer, decoded through the compiled model, begins with it (every plan and trial
     of the reduced run, whose prompts end `passkey_offset` = 4 tokens before the answer); and a prompt
     holding another key is not found."""
@@ -232,7 +230,7 @@ def test_one_pass_passkey_equals_the_harness(smollm2, reduced, monkeypatch):
     model, tok = smollm2
     s = settings()
     plans = {p: sparse_fx.Plan.parse(p, sink=s.sink, local=s.local) for p in PLANS}
-    ta = bench_script("teacher_agreement")
+    ta = agreement
     ours = ta.passkey(model, tok, plans, N, 4, s.depths, s.passkey_trials, s.passkey_offset, s.seed)
     prompt = ta.passkey_prompt
     monkeypatch.setattr(ta, "passkey_prompt", lambda tok, n, depth, key: prompt(tok, n, depth, key + 1))

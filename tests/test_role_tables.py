@@ -47,7 +47,7 @@ def test_signature_proposals_take_the_table_calibrated_for_them_too(smollm2):
 def test_other_plans_keep_their_own_roles(smollm2, plan, options):
     """roles='uniform', a group without a table and static reuse: uniform groups."""
     model, _ = smollm2
-    group = Plan.parse(plan).group
+    group = Plan.parse(plan).options.group
     roles, _ = roles_of(model, plan, **options)
     assert roles == uniform(30, group)
 

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.distributed import DistributedConfig
 
 import sparse_fx
+from support import options_for
 from sparse_fx.api import sparse_state
 from sparse_fx.model_info import ModelInfo
 from sparse_fx.runtime.caches import Shard
@@ -73,7 +74,7 @@ def main(ckpt: str, out: str) -> None:
     runs = [(p, {}) for p in PLANS] + [(p, {"encoders": encoders}) for p in ("hash", "prism-g2-hash")]
     for plan, extra in runs:
         name = plan + (" (trained)" if extra else "")
-        model = sparse_fx.compile(load(ckpt, sharded=True), plan, **COVERING, **extra)
+        model = sparse_fx.compile(load(ckpt, sharded=True), plan, **options_for(plan, **COVERING), **extra)
         assert model._tp_size == 2 and ModelInfo.of(model).shard == Shard(rank, 2)
         try:
             sparse_fx.explain(model)  # before any decode it would trace one: a collective only this rank runs
@@ -83,9 +84,9 @@ def main(ckpt: str, out: str) -> None:
         covered, _ = generate(model, ids)
         assert torch.equal(covered, dense_tokens), f"{name}: a covering budget decodes other tokens than dense"
 
-        model = sparse_fx.compile(load(ckpt, sharded=True), plan, **SMALL, **extra)
+        model = sparse_fx.compile(load(ckpt, sharded=True), plan, **options_for(plan, **SMALL), **extra)
         tokens, logits = generate(model, ids)
-        want_tokens, want_logits = generate(sparse_fx.compile(load(ckpt, sharded=False), plan, **SMALL, **extra), ids)
+        want_tokens, want_logits = generate(sparse_fx.compile(load(ckpt, sharded=False), plan, **options_for(plan, **SMALL), **extra), ids)
         assert torch.equal(tokens, want_tokens), f"{name}: sharded {tokens.tolist()} vs unsharded {want_tokens.tolist()}"
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
         state, report = sparse_state(model), sparse_fx.explain(model)

@@ -7,33 +7,68 @@ serve (`check`, `site_problem`), declares and writes the side cache a layer keep
 graph ops that choose a decode step's cache positions (`select`). The rewrite around it is
 generic: it finds attention, decides, splices, and never tests a method's name.
 
-A new method is one module: subclass `Method`, then `register(MyMethod())`.
+A method owns its options: `Method.options` is a frozen dataclass whose fields are plan options
+by name (`Plan.parse("prism-g4", rho=2)` sets `plan.options.rho`), validated by `Method.validate`.
+Its hooks see a `Context` (the plan, the layers' roles, the signature encoders), not the compiled
+model's whole state. A new method is one module: subclass `Method` (and `Options`), then
+`register(MyMethod())`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
 
 if TYPE_CHECKING:
-    from ..compiled import CompiledState
     from ..model_info import ModelInfo
     from ..plan import Plan
     from ..runtime.caches import KVShape, Spec
+    from ..runtime.encoders import LayerEncoders
 
 OPS = torch.ops.sparse_fx
 # `Method.break_even` tables: the kernel step of one sparse layer against cuDNN (the fastest dense
 # at every shape), Hq 32 / Hkv 8 / D 128 bf16, budget 4096 + 128 + 128, rho 4, on an H200, from
 # bench/results/kernels-2026-12-04-1836.json (`python bench/kernel_step.py --repeat 2 --short
-# --contexts 8192 ... 131072 --batches 1 4 16`; tests/test_plan.py derives the tables from it).
-# A step must be this much faster to count: re-measured on another day, a kernel table has come
-# out 10-20% lower (README), so a thinner edge may not hold.
+# --contexts 8192 ... 131072 --batches 1 4 16`; tests/pass/test_min_context.py derives the tables
+# from it). A step must be this much faster to count: kernel tables of different days differ by up to
+# 10-20% (docs/results.md), so a thinner edge may not hold.
 PAYS = 1.1
+
+
+def fail(msg: str) -> None:
+    raise ValueError(f"sparse_fx: {msg}")
+
+
+def require_int(name: str, value, low: int | None = None, why: str = "") -> None:
+    """Raise unless `value` is an int (not a bool) of at least `low`, naming the option."""
+    bound = f" >= {low}" if low is not None else ""
+    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+        fail(f"{name} must be an int{bound}{why}, got {value!r}" + ("" if isinstance(value, int) else f" ({type(value).__name__})"))
+
+
+def require_choice(name: str, value, valid: tuple[str, ...], method: str, why: str = "") -> None:
+    if not isinstance(value, str) or value not in valid:
+        fail(f"{name}={value!r} is not one {method!r} takes; valid: {', '.join(valid)}{why}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """A method's own plan options (none here): each method's options dataclass derives from it."""
+
+
+@dataclass
+class Context:
+    """What a method's hooks see of one compiled model."""
+
+    plan: Plan
+    roles: list[str]  # each layer's role
+    layer_encoders: Callable[..., LayerEncoders]  # (layer, kv, q_heads=None): a layer's signature encoders, this rank's heads
+    learned: bool  # whether those encoders are trained (else random projections)
 
 
 @dataclass
@@ -71,10 +106,8 @@ class Method:
 
     name = ""
     description = ""
-    explicit_roles = False  # whether a plan may give its layer roles (a calibrated plan)
+    options = Options  # this method's options dataclass: its fields are plan options by name
     shipped_roles = False  # whether its default roles come from a shipped calibrated table when one matches (role_tables)
-    proposals = ("int2",)  # the plan's `proposal` values it takes (the first is the default)
-    refines = ("exact",)  # the plan's `refine` values it takes (the first is the default)
     rewrites = True  # whether any layer can run sparse (the dense plan: none)
     takes_mass = False  # whether its selections can estimate attention mass (plans with mass < 1)
 
@@ -100,7 +133,7 @@ class Method:
         return False
 
     def validate(self, plan: Plan) -> None:
-        """Reject option values this method cannot take (ValueError naming the valid choices)."""
+        """Reject option values this method cannot take (ValueError naming the option and the valid choices)."""
 
     def roles(self, plan: Plan, num_layers: int, dense: set[int]) -> list[str]:
         return ["dense" if i in dense else "sparse" for i in range(num_layers)]
@@ -112,11 +145,15 @@ class Method:
         """Calibration's variant, in which every sparse layer can propose (see `sparse_fx.calibrate`)."""
         raise ValueError(f"sparse_fx: plan method {self.name!r} has no proposal layers to calibrate")
 
-    def describe(self, state: CompiledState) -> str:
+    def describe(self, ctx: Context) -> str:
         """The method as explain() shows it."""
-        return state.plan.name
+        return ctx.plan.name
 
-    def notices(self, state: CompiledState) -> dict[str, str]:
+    def cache_to_trace(self, plan: Plan) -> int:
+        """A static cache length on which every sparse layer of this plan selects (explain() traces one)."""
+        return plan.window + plan.budget + 1
+
+    def notices(self, ctx: Context) -> dict[str, str]:
         """Warnings for the user, once per model, by key (e.g. untrained encoders)."""
         return {}
 
@@ -125,7 +162,7 @@ class Method:
         """The side-cache tensors a layer of this role keeps ({}: none)."""
         return {}
 
-    def write(self, emit, state: CompiledState, layer: int, kv: KVShape, side: dict, new_keys, pos) -> None:
+    def write(self, emit, ctx: Context, layer: int, kv: KVShape, side: dict, new_keys, pos) -> None:
         """Write the side cache for the keys `new_keys` [B, Hkv, T, D] just stored at `pos` [T]."""
 
     # ---------------------------------------------------------------- where it pays
@@ -142,15 +179,15 @@ class Method:
         """Why this layer cannot run sparse here (None: it can)."""
         return None
 
-    def select(self, emit, state: CompiledState, site: Site) -> Selection:
+    def select(self, emit, ctx: Context, site: Site) -> Selection:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- shared steps
-    def topk(self, emit, state: CompiledState, site: Site, scores, k: int, positions=None, mass: bool = False):
+    def topk(self, emit, ctx: Context, site: Site, scores, k: int, positions=None, mass: bool = False):
         """The plan's selection over `scores`: sink + local window + the best `k` candidates; when
         the scores are attention masses (`mass`) and the plan's mass is < 1, only the fewest of
         those holding that share of the candidates' mass (`reference.trim_to_mass`)."""
-        p = state.plan
+        p = ctx.plan
         share = p.mass if mass else 1.0
         return emit.call(OPS.select_topk.default, scores, site.pos, k, p.sink, p.local, site.mask, positions, site.start, share)
 
@@ -193,6 +230,10 @@ def parse(text: str) -> tuple[str, dict] | None:
         if fields is not None:
             return method.name, fields
     return None
+
+
+def registered() -> list[Method]:
+    return list(_REGISTRY.values())
 
 
 def plan_forms() -> str:

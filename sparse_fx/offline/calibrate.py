@@ -65,7 +65,7 @@ def calibrate(
     from ..api import SparseForward, attach_cache, compile, restore, sparse_state
 
     handler = methods.get(method)
-    if not handler.explicit_roles:
+    if "roles" not in {f.name for f in dataclasses.fields(handler.options)}:
         raise ValueError(f"sparse_fx: calibrate chooses proposal and refined layers; plan method {method!r} has none "
                          "(valid: prism, static)")
     if objective not in OBJECTIVES:
@@ -85,7 +85,7 @@ def calibrate(
     with torch.no_grad():
         model(ids[:, :prefill], past_key_values=cache)  # dense prefill, once
     base = Plan.parse(f"{method}-g{group}", **plan_options)
-    compile(model, dataclasses.replace(base, min_context=0), backend="eager", _search=True)  # sparse at any length
+    compile(model, base.replace(min_context=0), backend="eager", _search=True)  # sparse at any length
     state = sparse_state(model)
     try:
         attach_cache(model, cache)
@@ -130,7 +130,7 @@ def calibrate(
         restore(model)
     note = (f"calibrated on {N} windows x {T} tokens ({steps} decode steps each): decode cross-entropy "
             f"{history['calibrated']:.4f} vs uniform {history['uniform']:.4f}")
-    return dataclasses.replace(base, roles=tuple(roles), note=note)
+    return dataclasses.replace(base.replace(roles=tuple(roles)), note=note)
 
 
 def _windows(texts, tokenizer, context: int, windows: int, seed: int) -> torch.Tensor:
@@ -153,8 +153,10 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
     sparse = [i for i, r in enumerate(roles) if r != "dense"]
     if not sparse:
         raise ValueError("sparse_fx: no layer is left to calibrate (all dense)")
-    if base.pool >= T - steps - base.window:
-        raise ValueError(f"sparse_fx: windows of {T} tokens hold fewer candidates than a pool of {base.pool} "
+    o = base.options
+    pool_size = o.pool(base.budget)
+    if pool_size >= T - steps - base.window:
+        raise ValueError(f"sparse_fx: windows of {T} tokens hold fewer candidates than a pool of {pool_size} "
                          "(rho x budget): every role assignment would pool them all; use longer windows or a smaller budget")
     kept = torch.zeros(len(sparse), len(sparse), dtype=torch.float64)  # [proposal, layer]: mass l keeps from p's pool
     best = torch.zeros(len(sparse), dtype=torch.float64)  # mass of each layer's own top-budget
@@ -164,12 +166,12 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
         mass = [attention_mass(*layers[i], allowed) for i in sparse]
         best += torch.tensor([float(_top_sum(m, base.budget)) for m in mass], dtype=torch.float64)
         # how a refined layer ranks the pool: its exact mass, or its own INT2 scores (refine="int2")
-        ranks = [selection_keys(int2_score(*layers[i], base.int2_group)) if base.refine == "int2"
+        ranks = [selection_keys(int2_score(*layers[i], o.int2_group)) if o.refine == "int2"
                  else selection_keys(m) for i, m in zip(sparse, mass)]
         for a, p in enumerate(sparse):
             q, k = layers[p]
             keys = selection_keys(proposal_score(p, q, k))
-            pool = choose(keys, allowed, base.pool)
+            pool = choose(keys, allowed, pool_size)
             own = choose(keys, pool, base.budget)  # the proposal's own choice: the served selections
             for b in range(a, len(sparse)):
                 if b == a or not handler.rescores:
@@ -178,14 +180,14 @@ def _by_mass(model, ids: torch.Tensor, steps: int, handler, base: Plan, progress
                     chosen = choose(ranks[b], pool, base.budget)
                 kept[a, b] += float(mass[b][chosen].sum())
     share = kept / best.clamp(min=1e-30)
-    leads = _best_leads(share, math.ceil(len(sparse) / base.group))
-    uniform = [n for n in range(len(sparse)) if n % base.group == 0]
+    leads = _best_leads(share, math.ceil(len(sparse) / o.group))
+    uniform = [n for n in range(len(sparse)) if n % o.group == 0]
     out = ["dense" if r == "dense" else "refined" for r in roles]
     for n in leads:
         out[sparse[n]] = "proposal"
     note = (f"calibrated on {N} windows x {T} tokens (queries of the last {steps}): attention mass kept "
             f"{_value(share, leads) / len(sparse):.4f} of each layer's own top-budget vs uniform {_value(share, uniform) / len(sparse):.4f}")
-    return dataclasses.replace(base, roles=tuple(out), note=note)
+    return dataclasses.replace(base.replace(roles=tuple(out)), note=note)
 
 
 def capture(model, ids: torch.Tensor, steps: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -232,13 +234,14 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> t
 
 def _proposal_scorer(model, plan: Plan):
     """(layer, q, k) -> [steps, Hkv, T]: how the plan's proposal layers score every key."""
-    if plan.proposal == "int2":
-        return lambda layer, q, k: int2_score(q, k, plan.int2_group)
+    o = plan.options
+    if o.proposal == "int2":
+        return lambda layer, q, k: int2_score(q, k, o.int2_group)
     from ..api import _load_encoders
 
     info = ModelInfo.of(model)
-    trained = _load_encoders(plan.encoders, model, info, plan) if plan.encoders else None
-    encoders = Encoders(plan.bits, plan.seed, trained)
+    trained = _load_encoders(o.encoders, model, info, plan) if o.encoders else None
+    encoders = Encoders(o.bits, plan.seed, trained)
     return lambda layer, q, k: signature_score(q, k, encoders.layer(layer, q.shape[1], k.shape[0], k.shape[2], k.device))
 
 
