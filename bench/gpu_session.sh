@@ -13,8 +13,8 @@ declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
 COMMANDS[tune]='
-  run python3 -P -m pytest -q -m gpu tests/test_op_select.py tests/test_op_mass.py tests/test_op_attention.py \
-    tests/test_op_int2.py > "$out/op_tests.log" 2>&1 || echo "GPU op tests FAILED (the tuning runs anyway)"
+  run python3 -P -m pytest -q -m gpu tests/ops/test_op_select.py tests/ops/test_op_mass.py tests/ops/test_op_attention.py \
+    tests/ops/test_op_int2.py > "$out/op_tests.log" 2>&1 || echo "GPU op tests FAILED (the tuning runs anyway)"
   tail -5 "$out/op_tests.log"
   base=()
   [ -d .scratch/base/oldlowering ] && base=(--baseline .scratch/base)
@@ -54,9 +54,9 @@ ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
 
-ABOUT[tests]="~9 min: tests/test_gpu.py"
+ABOUT[tests]="~9 min: tests/generate/test_gpu.py"
 COMMANDS[tests]='
-  run python3 -P -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15'
+  run python3 -P -m pytest -q tests/generate/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -15'
 
 usage() {
   echo "Usage, from the repository root on the GPU machine: bash bench/gpu_session.sh STAGE"

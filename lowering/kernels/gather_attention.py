@@ -25,7 +25,7 @@ from .common import (
 # tile's gathers cost a memory latency that little else hides at few rows.
 # kernel_tuning's best at every shape of 32K-128K x batch 1-16 (bench/results/kernel-tuning-2026-12-05-attention.json)
 TILE_BYTES = 32768  # bytes of a K tile a step: 128 rows of a bf16 128-dim head, 64 of a 256-dim one
-MAX_ROWS, FP32_MAX_ROWS = 128, 64  # fp32 operands at 128 rows spill on sm_90 (tests/test_op_compile.py)
+MAX_ROWS, FP32_MAX_ROWS = 128, 64  # fp32 operands at 128 rows spill on sm_90 (tests/ops/test_op_compile.py)
 ATTN_WAVES = 2  # programs per SM the split count aims for
 ATTN_WARPS = 4
 

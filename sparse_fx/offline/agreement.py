@@ -9,7 +9,7 @@ keys and values computed from sparse hidden states, as in decode. The selection 
 own (`Selector`: the plan's method, its ops run eagerly on one row per position), so every plan
 runs: dense, oracle, hash, hash-b<bits>, prism-g<G>[-hash], static-g<G>[-hash], calibrated plan
 files, and any of them with -mass<p>. On the harness's window and tokens it gives the harness's
-agreement and tokens kept, and its CE delta to ~1e-6 (tests/test_quality.py checks it; floats
+agreement and tokens kept, and its CE delta to ~1e-6 (tests/offline/test_quality.py checks it; floats
 round differently in one pass, which rarely swaps one key that sits within an ulp of a score
 bucket's edge). A window costs, per plan, 0.2-0.5 s on an H200 at 8K tokens (span 256 or 1024),
 and 20-30 s on 2 CPU cores at 2K with a span of 128 (the reference ops score every row's keys:

@@ -33,7 +33,7 @@ Uses only the public API plus `sparse_fx.offline.data` (held-out text, pass-key 
 Decoding token by token is the product's path but slow (about 90 s per 256 tokens of one plan at
 4K on 2 CPU cores). `sparse_fx.offline.agreement` measures agreement, CE delta, tokens kept and
 pass keys over many more tokens by teacher forcing in one pass, through the same selections and
-this module's windows and keys; tests/test_quality.py checks that the two give the same numbers.
+this module's windows and keys; tests/offline/test_quality.py checks that the two give the same numbers.
 """
 
 from __future__ import annotations

@@ -21,13 +21,9 @@ from hypothesis import strategies as st
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
-from support import options_for
-from opcheck import DEV, MORE, SENTINEL, gen, make_mask, poisoned
+from support import (DEV, MORE, SENTINEL, gen, make_mask, options_for, poisoned, select_contract, step_through, tiny_model)
 from sparse_fx.lowering import reference as ref
-from test_decode import step_through
-from test_op_select import K
-from test_op_select import contract as select_contract
+from sparse_fx.lowering import kernels as K
 
 
 def bf16_value(m: float) -> Fraction:

@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel test (tests/test_tensor_parallel.py runs it under
+"""One rank of the tensor-parallel test (tests/generate/test_tensor_parallel.py runs it under
 `torch.distributed.run --standalone --nproc-per-node 2` on CPU with gloo).
 
 Every rank loads the same tiny fp32 Llama twice, sharded by Hugging Face (`tp_plan="auto"`) and
@@ -12,18 +12,20 @@ model load on the shard. Facts go to OUT/rank<r>.json for the test to read.
 import json
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.distributed import DistributedConfig
 
-import sparse_fx
-from support import options_for
-from sparse_fx.api import sparse_state
-from sparse_fx.model_info import ModelInfo
-from sparse_fx.runtime.caches import Shard
-from sparse_fx.runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the support module
+import sparse_fx  # noqa: E402
+from support import options_for  # noqa: E402
+from sparse_fx.api import sparse_state  # noqa: E402
+from sparse_fx.model_info import ModelInfo  # noqa: E402
+from sparse_fx.runtime.caches import Shard  # noqa: E402
+from sparse_fx.runtime.encoders import HeadMLP, LayerEncoders, SignatureEncoders  # noqa: E402
 
 PLANS = ("oracle", "hash", "prism-g2", "prism-g2-hash", "static-g2")
 SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8, backend="eager", min_context=0)

@@ -6,46 +6,14 @@ import torch
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
-from support import options_for
+from support import assert_side_caches_match_the_keys, options_for, step_through, tiny_model
 from sparse_fx.api import sparse_state
-from sparse_fx.lowering import reference as ref
-from sparse_fx.runtime.caches import KVShape
-from sparse_fx.runtime.encoders import apply_head_mlp
 
 PLAN_OPTIONS = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8)
 
 
-def step_through(model, ids, prefill, cache):
-    """Prefill, then decode one token at a time; after the first decode step nothing may recompile."""
-    out = []
-    with torch.no_grad():
-        out.append(model(ids[:, :prefill], past_key_values=cache).logits)
-        out.append(model(ids[:, prefill : prefill + 1], past_key_values=cache).logits)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for t in range(prefill + 1, ids.shape[1]):
-                out.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
-    return out
 
 
-def assert_side_caches_match_the_keys(model, cache, n):
-    """Every side-cache slot a selection may read (0..n-1) equals its recomputation from the stored keys."""
-    state = sparse_state(model)
-    for layer, role in enumerate(state.roles):
-        keys = cache.layers[layer].keys
-        specs = state.method.side_cache(role, KVShape.of(keys), state.plan)
-        if not specs:
-            assert state.side_caches.of_layer(layer) == []
-            continue
-        side = state.side_caches.layer(layer, KVShape.of(keys), specs)
-        assert {"signatures", "codes"} & set(side), f"layer {layer}: {sorted(side)}"
-        if "signatures" in side:
-            enc = state.layer_encoders(layer, KVShape.of(keys))
-            expect = ref.pack_signs(apply_head_mlp(keys[:, :, :n], *enc.key.params()))
-            assert torch.equal(side["signatures"][:, :, :n], expect), f"layer {layer} signatures"
-        if "codes" in side:
-            c, prm = ref.int2_quantize(keys[:, :, :n], state.plan.options.int2_group)
-            assert torch.equal(side["codes"][:, :, :n], c) and torch.equal(side["params"][:, :, :n], prm), f"layer {layer} INT2"
 
 
 @pytest.mark.parametrize("plan", ["hash", "prism-g2", "prism-g2-hash", "prism-g2-hash-int2refine", "static-g2", "oracle"])

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from opcheck import gen
+from support import gen
 
 from sparse_fx.lowering import ops  # registers torch.ops.sparse_fx
 from sparse_fx.lowering import reference as ref

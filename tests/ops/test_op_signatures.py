@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from opcheck import DEV, FAST, gen, poisoned, randn
+from support import DEV, FAST, gen, poisoned, randn
 
 from sparse_fx.lowering import kernels as K
 from sparse_fx.lowering import reference as ref

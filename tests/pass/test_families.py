@@ -5,7 +5,7 @@ import torch
 from transformers import StaticCache
 
 import sparse_fx
-from families import FAMILIES, tiny_model
+from support import FAMILIES, tiny_model
 
 SLIDING = "sliding-window layer (already local attention)"
 CHUNKED = "chunked local attention (each token attends within its chunk only)"

@@ -11,19 +11,12 @@ import torch
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
-from support import options_for
+from support import SMALL, assert_side_caches_match_the_keys, generate, options_for, tiny_model
 from sparse_fx.api import sparse_state
-from test_decode import assert_side_caches_match_the_keys
 
 PLANS = ["oracle", "hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine", "static-g2"]
-SMALL = dict(budget=6, sink=2, local=3, rho=2.0, int2_group=8)
 
 
-def generate(model, ids, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
-                              **kwargs)
 
 
 def test_fifty_calls_with_random_prompt_lengths_all_succeed_on_few_graphs():

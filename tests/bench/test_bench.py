@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 LIBRARY = BENCH / "benchlib"  # the one module (a package) the scripts share

@@ -11,7 +11,7 @@ import torch
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
+from support import tiny_model
 from sparse_fx.api import sparse_state
 
 OPTIONS = dict(budget=4, sink=2, local=3, rho=2.0, int2_group=8)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import sparse_fx
+from support import ROOT
 from sparse_fx.offline import agreement, harness
 from sparse_fx.lowering.reference import first_readable
 from sparse_fx.methods import Site
@@ -33,7 +34,7 @@ N = 512
 # prism-g4 98.4%, static-g4 95.3%; recall@32 0.995 / 0.802 / 0.985 / 0.844.
 AGREEMENT_FLOOR = {"oracle": 0.90, "hash": 0.75, "prism-g4": 0.85, "static-g4": 0.80}
 RECALL_FLOOR = {"oracle": 0.95, "hash": 0.65, "prism-g4": 0.90, "static-g4": 0.70}
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = ROOT / "bench"
 
 
 def bench_script(name: str):

@@ -8,7 +8,7 @@ import torch
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
+from support import tiny_model
 from sparse_fx import Plan, methods
 from sparse_fx.methods import Method, Options, Selection
 from sparse_fx.api import sparse_state

@@ -7,8 +7,7 @@ import torch
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
-from support import options_for
+from support import options_for, tiny_model
 
 OPTIONS = dict(budget=6, sink=2, local=3, int2_group=8, rho=2.0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opcheck import DEV, MASK_KINDS, SENTINEL, gen, make_mask, poisoned, randn
+from support import DEV, MASK_KINDS, SENTINEL, gen, make_mask, poisoned, randn
 
 from sparse_fx.lowering import kernels as K
 from sparse_fx.lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)

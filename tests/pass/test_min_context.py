@@ -5,22 +5,17 @@ runs sparse on a longer cache. "auto" takes the measured points on CUDA only."""
 import copy
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import sparse_fx
-from families import tiny_model
-from support import options_for
+from support import COVER, ROOT, SMALL, ToyDecoder, generate, options_for, run, tiny_model
 from sparse_fx import methods
 from sparse_fx.api import sparse_state
 from sparse_fx.runtime.caches import KVShape
-from test_generate import SMALL, generate
-from test_pass import COVER, run
-from toy import ToyDecoder
 
-RESULTS = Path(__file__).parent.parent / "bench" / "results"
+RESULTS = ROOT / "bench" / "results"
 GRID = RESULTS / "kernels-2026-12-04-1836.json"  # the measurements behind Method.break_even
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from opcheck import DEV, FAST, MASK_KINDS, gen, make_mask, poisoned, randn
+from support import DEV, FAST, MASK_KINDS, gen, make_mask, poisoned, randn
 
 import sparse_fx
 from sparse_fx.lowering import kernels as K

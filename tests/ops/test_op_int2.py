@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from opcheck import DEV, FAST, MORE, gen, poisoned, randn
+from support import DEV, FAST, MORE, gen, poisoned, randn
 
 from sparse_fx.lowering import kernels as K
 from sparse_fx.lowering import reference as ref

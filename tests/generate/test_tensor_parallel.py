@@ -62,7 +62,7 @@ def test_a_layer_run_whole_on_every_rank_gets_all_its_heads_encoders():
 
 
 def test_sharded_decode_over_two_ranks(tmp_path):
-    """Two CPU processes (gloo) run tests/tp_worker.py: every plan decodes under tp_plan="auto", a
+    """Two CPU processes (gloo) run tests/generate/tp_worker.py: every plan decodes under tp_plan="auto", a
     covering budget gives the sharded dense tokens, a small one the unsharded model's sparse tokens,
     and each rank's side caches and report hold its own heads."""
     import json

@@ -10,67 +10,15 @@ top 16 bits of their order-preserving image).
 
 from __future__ import annotations
 
-import struct
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from opcheck import DEV, MORE, SENTINEL, gen, make_mask, poisoned
+from support import DEV, MORE, SENTINEL, gen, make_mask, poisoned, select_contract
 
 from sparse_fx.lowering import kernels as K
 from sparse_fx.lowering import reference as ref
-
-
-def _key(x) -> int:
-    """The ranking key of one score, from the contract (not from the reference code)."""
-    if isinstance(x, int):
-        return x
-    bits = struct.unpack("<I", struct.pack("<f", x))[0]
-    ordered = bits | 0x80000000 if bits < 0x80000000 else bits ^ 0xFFFFFFFF
-    return ordered >> 16
-
-
-def contract(scores, pos, k, sink, local, mask=None, positions=None, start=None) -> torch.Tensor:
-    """select_topk written out row by row in plain Python."""
-    scores, pos = scores.cpu(), pos.cpu()
-    B, Hkv, N = scores.shape
-    now = int(pos[-1])
-    readable = ref.valid_positions(None if mask is None else mask.cpu(), B, Hkv, mask.shape[-1] if mask is not None else N)
-    out = torch.full((B, Hkv, sink + local + k), -1, dtype=torch.int32)
-    for b in range(B):
-        first = 0 if start is None else int(start[b])
-        for h in range(Hkv):
-            def ok(p):
-                return 0 <= p <= now and (mask is None or bool(readable[b, h, p]))
-
-            window = [first + j if ok(first + j) and first + j <= now else -1 for j in range(sink)]
-            window += [p if ok(p) and p >= first + sink else -1 for p in range(now - local + 1, now + 1)]
-            out[b, h, : sink + local] = torch.tensor(window, dtype=torch.int32)
-            cands = []
-            for i in range(N):
-                p = i if positions is None else int(positions[b, h, i])
-                s = scores[b, h, i].item()
-                if p < first + sink or p > now - local or not ok(p):
-                    continue
-                if isinstance(s, float) and (s != s or s == float("-inf")):
-                    continue
-                cands.append((_key(s), i, p))
-            chosen = [p for _, _, p in _spread_top(cands, k)]
-            out[b, h, sink + local : sink + local + len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
-    return out
-
-
-def _spread_top(cands, k):
-    """The k best of (key, index, position) triples, in index order, ties spread evenly."""
-    if not cands or k <= 0:
-        return []
-    need = min(k, len(cands))
-    t = sorted((c[0] for c in cands), reverse=True)[need - 1]
-    ties = sorted(c for c in cands if c[0] == t)  # same key: index order
-    m = need - sum(c[0] > t for c in cands)
-    taken = {ties[j][1] for j in range(len(ties)) if (j + 1) * m // len(ties) > j * m // len(ties)}
-    return [c for c in sorted(cands, key=lambda c: c[1]) if c[0] > t or c[1] in taken]
 
 
 def _scores(kind, B, Hkv, N, g):
@@ -106,7 +54,7 @@ def check(scores, pos, k, sink, local, mask=None, positions=None, start=None, **
     assert (out != SENTINEL).all(), "an output slot was never written"
     want = ref.select_topk(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in (scores, pos, k, sink, local, mask, positions, start)))
     assert torch.equal(out, want), f"kernel != reference at {(out != want).nonzero()[:5].tolist()}"
-    assert torch.equal(want, contract(scores, pos, k, sink, local, mask, positions, start)), "reference != contract"
+    assert torch.equal(want, select_contract(scores, pos, k, sink, local, mask, positions, start)), "reference != contract"
     return out
 
 
@@ -181,10 +129,10 @@ def check_nested(scores, pos, k, k_inner, sink, local, mask=None, start=None, **
     want, want_in = ref.select_nested(*cpu)
     assert torch.equal(out, want), f"outer: kernel != reference at {(out != want).nonzero()[:5].tolist()}"
     assert torch.equal(inner, want_in), f"inner: kernel != reference at {(inner != want_in).nonzero()[:5].tolist()}"
-    assert torch.equal(want, contract(scores, pos, k, sink, local, mask, None, start)), "outer reference != contract"
+    assert torch.equal(want, select_contract(scores, pos, k, sink, local, mask, None, start)), "outer reference != contract"
     pool = want[..., sink + local:]
     at_pool = cpu[0].gather(2, pool.clamp(min=0).long())
-    assert torch.equal(want_in, contract(at_pool, pos, k_inner, sink, local, mask, pool, start)), "inner reference != contract"
+    assert torch.equal(want_in, select_contract(at_pool, pos, k_inner, sink, local, mask, pool, start)), "inner reference != contract"
 
 
 @MORE
@@ -351,7 +299,7 @@ def test_hash_select_equals_scoring_then_select(G, W, mask_kind):
     want = ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 100, 8, 8, None if mask is None else mask.cpu(), start.cpu())
     assert torch.equal(out, want)
     scores = ref.hamming_scores(ref.pack_signs(q_logits.cpu()), k_sig.cpu())
-    assert torch.equal(want, contract(scores, pos, 100, 8, 8, mask, None, start))
+    assert torch.equal(want, select_contract(scores, pos, 100, 8, 8, mask, None, start))
 
 
 def test_hash_select_takes_everything_when_the_budget_covers_the_row():

@@ -6,24 +6,12 @@ import pytest
 import torch
 
 import sparse_fx
-from support import options_for
+from support import COVER, FORMS, PREFILL, ToyDecoder, options_for, run
 from sparse_fx.api import sparse_state
-from toy import FORMS, ToyDecoder
 
 OPS = torch.ops.sparse_fx
-PREFILL, STEPS = 24, 6
 
 
-def run(model, seed=1, steps=STEPS, hidden=64):
-    """Prefill PREFILL tokens then decode `steps` single tokens; outputs of every call."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, PREFILL + steps, hidden, generator=g)
-    outs = []
-    with torch.no_grad():
-        outs.append(model(x[:, :PREFILL], torch.arange(PREFILL)))
-        for t in range(PREFILL, PREFILL + steps):
-            outs.append(model(x[:, t : t + 1], torch.tensor([t])))
-    return outs
 
 
 def compiled(model, plan, **options):
@@ -31,7 +19,6 @@ def compiled(model, plan, **options):
     return sparse_fx.compile(copy.deepcopy(model), plan, **options)
 
 
-COVER = dict(budget=40, sink=2, local=3)  # cover every filled slot (at most 30) but not the 64-slot cache
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -1,4 +1,4 @@
-"""Run by tests/test_gpu.py in a process of its own: prefill times (ms) of an 8K-token prompt on a
+"""Run by tests/generate/test_gpu.py in a process of its own: prefill times (ms) of an 8K-token prompt on a
 4-layer toy Llama, dense and under `hash` and `prism-g4`, medians of 7 interleaved runs, as JSON.
 
 A process of its own because the toy's prefill is host-bound (13 ms of CPU for 4 ms of GPU work)
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers import StaticCache
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the support module
 import sparse_fx  # noqa: E402
-from families import tiny_model  # noqa: E402
+from support import tiny_model  # noqa: E402
 from sparse_fx.api import sparse_state  # noqa: E402
 
 

@@ -11,18 +11,17 @@ from hypothesis import strategies as st
 from transformers import StaticCache
 
 import sparse_fx
-from families import tiny_model
+from support import TRAIN_SMALL, tiny_model
 from sparse_fx.model_info import ModelInfo
 from sparse_fx.offline.train import TrainConfig, capture_windows, train_on_windows
 
-SMALL = dict(context=400, queries=24, top=8, steps=60, batch_queries=8, batch_keys=200, lr=3e-3, seed=0)
 
 
 @pytest.fixture(scope="module")
 def trained():
     model = tiny_model("llama", layers=2)
     ids = torch.randint(1, 128, (3, 400), generator=torch.Generator().manual_seed(0))
-    enc = sparse_fx.train_signatures(model, ids, progress=False, **SMALL)
+    enc = sparse_fx.train_signatures(model, ids, progress=False, **TRAIN_SMALL)
     return model, enc
 
 
@@ -31,16 +30,16 @@ def test_training_lowers_the_loss_and_is_deterministic(trained):
     loss = enc.metadata["loss_history"]
     assert loss[-1] < 0.8 * loss[0], loss
     again = sparse_fx.train_signatures(model, torch.randint(1, 128, (3, 400), generator=torch.Generator().manual_seed(0)),
-                                       progress=False, **SMALL)
+                                       progress=False, **TRAIN_SMALL)
     assert all(torch.equal(a, b) for a, b in zip(enc.layer(1).key.weights, again.layer(1).key.weights))
 
 
 def test_trained_encoders_beat_random_ones_on_their_own_objective():
     model = tiny_model("llama", layers=2)
     ids = torch.randint(1, 128, (3, 400), generator=torch.Generator().manual_seed(1))
-    cfg = TrainConfig(**SMALL)
+    cfg = TrainConfig(**TRAIN_SMALL)
     data = capture_windows(model, ids, cfg, progress=False)
-    _, history = train_on_windows(data, TrainConfig(**{**SMALL, "steps": 1, "lr": 0.0}), progress=False)
+    _, history = train_on_windows(data, TrainConfig(**{**TRAIN_SMALL, "steps": 1, "lr": 0.0}), progress=False)
     _, trained_history = train_on_windows(data, cfg, progress=False)
     assert trained_history[-1] < history[0]
 
@@ -94,7 +93,7 @@ def test_labels_are_the_top_candidates_by_attention_mass(labels):
     "query" labels), among the keys the plan does not keep anyway, distinct and visible."""
     model = tiny_model("llama", layers=2)
     ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(3))
-    cfg = TrainConfig(**{**SMALL, "sink": 5, "local": 7, "labels": labels})
+    cfg = TrainConfig(**{**TRAIN_SMALL, "sink": 5, "local": 7, "labels": labels})
     [w] = capture_windows(model, ids, cfg, progress=False)
     layers, hq, S, D = w.queries.shape
     G = hq // w.keys.shape[1]
