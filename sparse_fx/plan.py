@@ -202,14 +202,16 @@ def _options_of(handler: methods.Method, given):
     if isinstance(given, handler.options):
         return given
     if isinstance(given, dict):
-        _split(handler, {k: v for k, v in given.items() if k not in SHARED})
-        return handler.options(**{k: v for k, v in given.items() if k not in SHARED})
+        shared, own = _split(handler, given)
+        if shared:
+            fail(f"options {sorted(shared)} are fields of the plan itself, not of {handler.name!r}'s options")
+        return handler.options(**own)
     fail(f"options must be a {handler.options.__name__} or a dict of {handler.name!r}'s options, got {given!r}")
 
 
 def _of_other_methods_at_their_defaults(method: str, fields: dict) -> set[str]:
     """Keys of a plan file that are another method's options at their default values: files written
     while every option lived on Plan carry them all."""
-    own = {f.name for f in dataclasses.fields(methods.get(method).options)} if isinstance(method, str) else set()
+    own = {f.name for f in dataclasses.fields(methods.get(method).options)}
     defaults = {f.name: f.default for m in methods.registered() for f in dataclasses.fields(m.options)}
     return {k for k, v in fields.items() if k not in own and k in defaults and v == defaults[k]}
