@@ -142,7 +142,7 @@ def test_every_result_file_is_cited():
 
 
 # A path in this repository as the README and docs/ write one, with {a,b} alternatives, <name>
-# placeholders and * globs (`sparse_fx/methods/{oracle,hash,prism}.py`, `tests/test_op_<op>.py`).
+# placeholders and * globs (`sparse_fx/methods/{oracle,hash,prism}.py`, `tests/ops/test_op_<op>.py`).
 REPO_PATH = re.compile(r"(?<![\w./-])(?:bench|tests|sparse_fx|lowering|runtime|docs)/[\w./*<>-]*(?:\{[\w.,-]*\}[\w./*<>-]*)?")
 
 
