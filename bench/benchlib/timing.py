@@ -124,5 +124,17 @@ def kernel_times(fn, reps: int = 5) -> dict[str, tuple[float, int]]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return {e.key.split("(")[0][:60]: (e.device_time_total / reps, e.count // reps)
-            for e in prof.key_averages() if e.device_time_total > 0}
+    return per_kernel(prof.key_averages(), reps)
+
+
+def per_kernel(events, reps: int) -> dict[str, tuple[float, int]]:
+    """Profiler events -> {kernel name: (device us per call, launches per call)}. Names are kept whole
+    (Inductor's run to 60 characters and more, sharing long prefixes); events of one name, e.g. a
+    kernel whose argument list differs, are added up, never overwritten."""
+    out: dict[str, tuple[float, int]] = {}
+    for e in events:
+        if e.device_time_total > 0:
+            name = e.key.split("(")[0]
+            us, launches = out.get(name, (0.0, 0))
+            out[name] = (us + e.device_time_total / reps, launches + e.count // reps)
+    return out

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from support import ROOT
@@ -399,3 +400,19 @@ def test_dense_is_timed_under_every_sdpa_backend_that_takes_the_shape(monkeypatc
         math = st.dense()
     for a, b in zip(timed[0], math):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_times_keep_whole_names_and_add_up_one_kernels_events():
+    """Two kernels sharing a 60-character prefix stay apart; one kernel's events are summed."""
+    sys.path.insert(0, str(BENCH))
+    import benchlib
+
+    prefix = "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0_layer_norm"[:60]
+    Event = SimpleNamespace
+    events = [Event(key=prefix + "_a", device_time_total=30.0, count=6),
+              Event(key=prefix + "_b", device_time_total=60.0, count=3),
+              Event(key="_sparse_attn_kernel(int, float)", device_time_total=9.0, count=3),
+              Event(key="_sparse_attn_kernel(long, float)", device_time_total=3.0, count=3),
+              Event(key="cudaLaunchKernel", device_time_total=0.0, count=12)]
+    assert benchlib.per_kernel(events, reps=3) == {prefix + "_a": (10.0, 2), prefix + "_b": (20.0, 1),
+                                                   "_sparse_attn_kernel": (4.0, 2)}
