@@ -172,10 +172,7 @@ class Plan:
         try:
             method = fields.pop("method", "dense")
             shared = {k: fields.pop(k) for k in ("note",) if k in fields}
-            plan = cls(method=method, **shared)
-            for key in _of_other_methods_at_their_defaults(method, fields):
-                del fields[key]
-            return plan.replace(**{**fields, **options})
+            return cls(method=method, **shared).replace(**{**fields, **options})
         except ValueError as e:
             raise ValueError(f"{e} (in plan file {str(path)!r})") from None
 
@@ -184,15 +181,20 @@ SHARED = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("metho
 
 
 def _split(handler: methods.Method, options: dict) -> tuple[dict, dict]:
-    """Options by name -> (the plan's shared fields, the method's own), or an error naming both kinds."""
+    """Options by name -> (the plan's shared fields, the method's own). An option of another method
+    at its default value asks for nothing and is dropped (plan files written while every option
+    lived on Plan carry them all); at any other value it is an error naming its owner."""
     own_names = [f.name for f in dataclasses.fields(handler.options)]
-    unknown = sorted(set(options) - set(SHARED) - set(own_names))
+    defaults = {f.name: f.default for m in methods.registered() for f in dataclasses.fields(m.options)}
+    others = {k for k in options if k not in SHARED and k not in own_names}
+    unknown = sorted(k for k in others if k not in defaults or options[k] != defaults[k])
     if unknown:
-        others = sorted({m.name for m in methods.registered() for f in dataclasses.fields(m.options) if f.name in unknown})
-        why = f" ({', '.join(unknown)}: an option of {', '.join(others)})" if others else ""
+        owners = sorted({m.name for m in methods.registered() for f in dataclasses.fields(m.options) if f.name in unknown})
+        why = f" ({', '.join(k for k in unknown if k in defaults)}: an option of {', '.join(owners)})" if owners else ""
         fail(f"unknown plan option(s) {unknown} for {handler.name!r}{why}; valid options: {', '.join(SHARED)}"
              + (f"; {handler.name}'s own: {', '.join(own_names)}" if own_names else ""))
-    return ({k: v for k, v in options.items() if k in SHARED}, {k: v for k, v in options.items() if k not in SHARED})
+    return ({k: v for k, v in options.items() if k in SHARED},
+            {k: v for k, v in options.items() if k not in SHARED and k not in others})
 
 
 def _options_of(handler: methods.Method, given):
@@ -207,11 +209,3 @@ def _options_of(handler: methods.Method, given):
             fail(f"options {sorted(shared)} are fields of the plan itself, not of {handler.name!r}'s options")
         return handler.options(**own)
     fail(f"options must be a {handler.options.__name__} or a dict of {handler.name!r}'s options, got {given!r}")
-
-
-def _of_other_methods_at_their_defaults(method: str, fields: dict) -> set[str]:
-    """Keys of a plan file that are another method's options at their default values: files written
-    while every option lived on Plan carry them all."""
-    own = {f.name for f in dataclasses.fields(methods.get(method).options)}
-    defaults = {f.name: f.default for m in methods.registered() for f in dataclasses.fields(m.options)}
-    return {k for k, v in fields.items() if k not in own and k in defaults and v == defaults[k]}
