@@ -25,12 +25,11 @@ demo: $(STAMP)
 	$(PY) -m sparse_fx demo
 
 # The fast tier first (plans, methods, the pass on toy and tiny models): a broken front end fails in a
-# few minutes, before the kernel interpreter and the model-level tiers run on both cores (a file per
-# worker, so a file's tests keep their order).
+# minute, before the kernel interpreter and the model-level tiers run.
 FAST_TIER := tests/methods tests/pass
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(FAST_TIER)
-	$(PY) -m pytest -q -m "not slow and not gpu" -n 2 --dist loadfile tests --ignore=tests/methods --ignore=tests/pass
+	$(PY) -m pytest -q -m "not slow and not gpu" tests --ignore=tests/methods --ignore=tests/pass
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow" tests
