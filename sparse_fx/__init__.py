@@ -5,13 +5,15 @@
 """
 
 from .lowering import ops  # sparse_fx.ops: the ops for direct use (torch.ops.sparse_fx.*)
-from .api import attach_cache, compile, explain, measurements
+from .api import acceptance, attach_cache, compile, explain, measurements
 from .explain import Report
 from .measure import Measurements
 from .plan import Plan
+from .speculate import Acceptance
 from .runtime.encoders import SignatureEncoders
 
 __all__ = [
+    "acceptance",
     "attach_cache",
     "calibrate",
     "compile",
@@ -19,6 +21,7 @@ __all__ = [
     "measurements",
     "ops",
     "train_signatures",
+    "Acceptance",
     "Measurements",
     "Plan",
     "Report",

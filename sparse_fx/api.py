@@ -15,6 +15,8 @@ from .forward import SparseForward, bucket_static_caches
 from .measure import Measurements
 from .model_info import ModelInfo, attention_implementation, set_attention, use_sdpa
 from .plan import Plan
+from .speculate import Acceptance, LosslessGenerate, Speculation
+from .speculate import install as install_speculation
 from .runtime.encoders import Encoders, SignatureEncoders
 
 BACKENDS = ("inductor", "eager")
@@ -30,6 +32,8 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     mode: str | None = None,
     strict: bool = False,
     measure: bool = False,
+    speculate: int | str | None = None,
+    speculate_batch: str = "rows",
     _search: bool = False,
     **plan_options,
 ) -> torch.nn.Module:
@@ -47,6 +51,11 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     than min_context is no miss: the plan wants dense attention there).
     measure: record every sparse layer's selection against dense attention (recall, attention
     mass, output error; read them with `sparse_fx.measurements(model)`); implies backend "eager".
+    speculate: lossless mode (`sparse_fx/speculate.py`): generate() drafts this many tokens (an int,
+    or "auto" to choose from the measured acceptance) with the plan and verifies them with dense
+    attention, emitting the dense model's tokens; `sparse_fx.acceptance(model)` reads how many drafts
+    were accepted. speculate_batch: "rows" (each row keeps what it accepted) or "min" (the batch
+    advances by the fewest accepted).
 
     Prefill runs the model's own attention (dense, uncompiled); decode steps on a StaticCache
     (`generate(..., cache_implementation="static")` or your own) run the rewritten graph. A model
@@ -65,6 +74,9 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         raise ValueError(f"sparse_fx: expected a torch.nn.Module, got {type(model).__name__}")
     if model.training:
         raise ValueError("sparse_fx: the model is in training mode; sparse attention is for inference: call model.eval() first")
+    speculation = Speculation(speculate, speculate_batch) if speculate is not None else None
+    if speculate is None and speculate_batch != "rows":
+        raise ValueError("sparse_fx: speculate_batch applies to lossless mode only: give speculate=<draft length> too")
     spec, plan = plan, Plan.parse(plan, **plan_options)
     method = methods.get(plan.method)
     if _search:
@@ -92,7 +104,8 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
     bits = plan.options.bits if signatures else None
     state = CompiledState(plan=plan, info=info, method=method, encoders=Encoders(bits, plan.seed, trained),
                           backend=backend, mode=mode, strict=strict,
-                          measurements=Measurements() if measure else None, attention_note=note)
+                          measurements=Measurements() if measure else None, attention_note=note,
+                          speculation=speculation)
     original = previous.original if isinstance(previous, SparseForward) else model.forward
     compiled = torch.compile(_own_frame(original), backend=sparse_backend(state), fullgraph=True, dynamic=False)
     model.forward = SparseForward(model, original, compiled, state, before)
@@ -100,6 +113,10 @@ def compile(  # noqa: A001 - the one-call API mirrors torch.compile
         # We are the one compile: Hugging Face's generate() must not wrap this forward again.
         model.generation_config.disable_compile = True
     bucket_static_caches(model)
+    if isinstance(model.__dict__.get("generate"), LosslessGenerate):
+        del model.generate  # a previous compile's lossless mode
+    if speculation is not None:
+        install_speculation(model, speculation)
     return model
 
 
@@ -122,12 +139,21 @@ def explain(model: torch.nn.Module) -> Report:
                 "no scaled_dot_product_attention call found for this layer in the traced graph"))
     rows.sort(key=lambda r: r.layer)
     prefills = [r for r in state.reports if not r.decode]
-    notes = [f"prefill (several tokens): dense, {len(prefills)} compiled graph(s) write the side caches" if prefills
-             else "prefill (several tokens): the model's own dense attention, uncompiled; then the side caches are written"]
+    own = "prefill (several tokens): the model's own dense attention, uncompiled; then the side caches are written"
+    if state.speculation is not None:
+        notes = [own, f"verify (lossless mode, gamma + 1 tokens): dense attention, {len(prefills)} compiled graph(s) "
+                      "write the side caches"]
+    else:
+        notes = [f"prefill (several tokens): dense, {len(prefills)} compiled graph(s) write the side caches" if prefills
+                 else own]
     if state.attention_note:
         notes.append(state.attention_note)
     if state.plan.note:
         notes.append(state.plan.note)
+    if state.speculation is not None:
+        forward = model.__dict__.get("generate")
+        seen = forward.acceptance if isinstance(forward, LosslessGenerate) and forward.acceptance.rounds else None
+        notes.append(state.speculation.describe() + (f"; measured: {seen}" if seen else ""))
     rule = _min_context_note(state, next(model.parameters()).device)
     if rule:
         notes.append(rule)
@@ -148,6 +174,16 @@ def measurements(model: torch.nn.Module) -> Measurements:
     return state.measurements
 
 
+def acceptance(model: torch.nn.Module) -> Acceptance:
+    """Lossless mode's counts since compile: drafts proposed and accepted, tokens per round, rounds
+    at each draft length, seconds drafting and verifying (`.reset()` starts them again)."""
+    sparse_state(model)
+    generate = model.__dict__.get("generate")
+    if not isinstance(generate, LosslessGenerate):
+        raise ValueError("sparse_fx: compile the model with speculate=<draft length> for lossless mode")
+    return generate.acceptance
+
+
 def attach_cache(model: torch.nn.Module, cache) -> None:
     """Decode sparsely from a KV cache filled elsewhere (a dense prefill, a prefix cache).
 
@@ -164,6 +200,8 @@ def restore(model: torch.nn.Module) -> None:
     if not isinstance(forward, SparseForward):
         return
     before = forward.before
+    if isinstance(model.__dict__.get("generate"), LosslessGenerate):
+        del model.generate
     for name in ("forward", "_prepare_static_cache"):
         if before[name] is None:
             model.__dict__.pop(name, None)

@@ -43,6 +43,7 @@ class CompiledState:
     strict: bool = False
     measurements: Measurements | None = None
     attention_note: str = ""  # e.g. the attention implementation compile() switched from
+    speculation: object = None  # lossless mode's settings (speculate.Speculation), None without it
     side_caches: SideCaches = field(default_factory=SideCaches)
     reports: list[GraphReport] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)

@@ -63,6 +63,22 @@ class SparseForward:
         self._check_decode()
         return out
 
+    def prefill(self, **kwargs):
+        """New tokens through the model's own dense attention, uncompiled, however few (lossless
+        mode's prompt: its first token must be the dense model's), then their side caches."""
+        cache = kwargs["past_key_values"]
+        follow(cache, self.state)
+        return self._prefill(kwargs["input_ids"], static_layers(cache), cache, (), kwargs)
+
+    def verify(self, **kwargs):
+        """Several new tokens through the compiled graph: lossless mode's verify step (dense attention,
+        causal among the new tokens; the side caches of their positions written in the graph)."""
+        cache = kwargs["past_key_values"]
+        follow(cache, self.state)
+        if not self.state.owns(cache):
+            self.state.fill(cache)
+        return self._decode((), kwargs)
+
     def _prefill(self, ids, layers, cache, args, kwargs):
         first = next((x for x in layers or () if not getattr(x, "is_sliding", False)), None)
         lo = filled(first) if first is not None else 0

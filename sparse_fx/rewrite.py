@@ -111,8 +111,12 @@ class _Edit:
         self.dead += [site.args["key"], site.args["value"]]
 
     def prefill_site(self, site: Site) -> Row:
-        """Several queries (another model's prefill): attention stays dense; the side cache of the
-        new positions is written in the graph."""
+        """Several queries (another model's prefill, lossless mode's verify step): attention stays
+        dense, reading the KV heads through enable_gqa as a dense decode does, and the side cache of
+        the new positions is written in the graph."""
+        return self._dense(site, self._prefill_row(site))
+
+    def _prefill_row(self, site: Site) -> Row:
         role = self.state.role(site.layer)
         row = Row(layer=site.layer, call_form=site.call_form, role=role)
         if role == "dense":
@@ -160,7 +164,7 @@ class _Edit:
 
 
 def gqa_attention(q, k, v, mask, scale):
-    """Dense attention of q [B, Hq, 1, D] over the KV heads k, v [B, Hkv, L, D]."""
+    """Dense attention of q [B, Hq, T, D] over the KV heads k, v [B, Hkv, L, D]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -197,11 +201,11 @@ def _problem(site: Site) -> str | None:
         mask.dim() == 4
         and mask.shape[0] in (1, B)
         and mask.shape[1] in (1, Hq)
-        and mask.shape[2] == 1
+        and mask.shape[2] == q.shape[2]
         and mask.shape[3] == L
         and (mask.dtype == torch.bool or mask.is_floating_point())
     ):
-        return f"unsupported mask form {mask.dtype} {tuple(mask.shape)} (need bool or float [B|1, 1|Hq, 1, L])"
+        return f"unsupported mask form {mask.dtype} {tuple(mask.shape)} (need bool or float [B|1, 1|Hq, queries, L])"
     if q.device.type == "cuda" and q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype} has no Triton kernel (fp16, bf16, fp32)"
     return None
