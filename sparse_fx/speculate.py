@@ -92,6 +92,8 @@ class Acceptance:
     emitted: int = 0  # tokens emitted (accepted drafts plus the verifier's own token)
     row_rounds: int = 0  # (round, row still generating) pairs
     uneven: int = 0  # rounds whose live rows accepted different numbers of drafts
+    full: int = 0  # (round, live row) pairs that accepted every draft
+    seconds: float = 0.0  # wall clock of the rounds (each ends in a device-to-host read)
     gammas: dict[int, int] = field(default_factory=dict)  # rounds run at each gamma
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -100,6 +102,13 @@ class Acceptance:
     def rate(self) -> float:
         """Share of drafted tokens the dense model accepted."""
         return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def per_draft(self) -> float:
+        """The per-draft acceptance a of the geometric model (each draft accepted with probability a
+        until the first rejection): accepted / (accepted + rejections)."""
+        rejections = self.row_rounds - self.full
+        return self.accepted / (self.accepted + rejections) if self.accepted + rejections else float("nan")
 
     @property
     def tokens_per_round(self) -> float:
@@ -324,6 +333,7 @@ class _Rounds:
         pos = self.mask2d.long().sum(-1)  # each row's position of `last`
         done = self._emit(history, last[:, None], torch.ones(B, dtype=torch.long, device=dev), [False] * B)
         slot, uneven = P, self.owner.acceptance.uneven
+        start = time.perf_counter()
         while not all(done):
             g = min(chooser.next(), L - slot - 1)
             if g < 1:
@@ -360,6 +370,7 @@ class _Rounds:
             pos = pos + keep + 1
             last = nxt
             slot += max(kept[b] for b in rows) + 1
+        self.owner.acceptance.seconds += time.perf_counter() - start
         self._set_length(slot)
         if self.owner.acceptance.uneven > uneven and self.policy == "rows":
             self.cache._sparse_fx_holes = True
@@ -374,6 +385,7 @@ class _Rounds:
         a.drafted += g * len(accepted)
         a.accepted += sum(accepted)
         a.uneven += len(set(accepted)) > 1
+        a.full += sum(1 for n in accepted if n == g)
         a.gammas[g] = a.gammas.get(g, 0) + 1
         draft_s, verify_s = timer.seconds()
         a.draft_seconds += draft_s

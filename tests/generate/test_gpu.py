@@ -371,3 +371,31 @@ def test_auto_min_context_keeps_a_short_cache_dense_on_gpu():
         assert sparse_state(model).side_caches.nbytes() == 0
         report = sparse_fx.explain(model)
         assert report.sparse_layers == [] and all("min_context" in r.reason for r in report), str(report)
+
+
+@pytest.mark.parametrize("plan", ["hash", "prism-g2"])
+def test_lossless_mode_under_cuda_graphs_gives_dense_greedy_tokens_without_recompiles(plan):
+    """The draft graph (1 query) and the verify graph (gamma + 1 queries) are compiled once, replay as
+    CUDA graphs, and the tokens are the dense model's (fp32; the plan alone changes them)."""
+    from torch._dynamo.utils import counters
+
+    base = model_on_gpu(torch.float32)
+    base.generation_config.eos_token_id = None
+    ids = torch.randint(1, 256, (3, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+
+    def greedy(m, new=40):
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=new, do_sample=False, cache_implementation="static", pad_token_id=0)
+
+    want = greedy(base)
+    assert not torch.equal(greedy(sparse_fx.compile(copy.deepcopy(base), plan, **options_for(plan, **OPTIONS))), want)
+    model = sparse_fx.compile(copy.deepcopy(base), plan, speculate=4, **options_for(plan, **OPTIONS))
+    assert torch.equal(greedy(model), want)
+    graphs = len(sparse_state(model).reports)
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(greedy(model), want)
+    assert len(sparse_state(model).reports) == graphs == 2
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    seen = sparse_fx.acceptance(model)
+    assert 0 < seen.accepted < seen.drafted and seen.uneven > 0
