@@ -12,7 +12,8 @@ import sparse_fx
 from support import SMALL, assert_side_caches_match_the_keys, options_for, tiny_model
 from sparse_fx.api import sparse_state
 
-PLANS = ["oracle", "hash", "prism-g2", "prism-g2-hash", "prism-g2-int2refine", "static-g2"]
+# every plan in `make test-slow`; CI keeps one of each method and the INT2-refined Prism
+PLANS = ["hash", "prism-g2-int2refine", "static-g2", *(pytest.param(p, marks=pytest.mark.slow) for p in ("oracle", "prism-g2", "prism-g2-hash"))]
 
 
 def _generate(model, ids, n, **kwargs):
@@ -50,8 +51,8 @@ def test_greedy_tokens_are_the_dense_models_where_the_plan_alone_changes_them(pl
     assert 0 < seen.accepted < seen.drafted and seen.emitted == 36  # the first token is the prefill's
 
 
-@pytest.mark.parametrize("batch", ["rows", "min"])
-@pytest.mark.parametrize("gamma", [3, "auto"])
+@pytest.mark.parametrize("batch, gamma", [("rows", 3), ("min", "auto"), pytest.param("rows", "auto", marks=pytest.mark.slow),
+                                          pytest.param("min", 3, marks=pytest.mark.slow)])
 def test_a_left_padded_batch_gets_each_rows_dense_tokens_though_rows_accept_differently(batch, gamma):
     dense = tiny_model("llama", layers=4, pad_token_id=0)
     lossy, lossless = _pair("hash", gamma, batch, pad_token_id=0)
@@ -78,7 +79,7 @@ def test_eos_inside_a_draft_stops_that_row_as_dense_generate_does():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("batch", ["rows", "min"])
+@pytest.mark.parametrize("batch", ["rows", pytest.param("min", marks=pytest.mark.slow)])
 def test_side_caches_equal_their_recomputation_after_200_steps_with_rejections(batch):
     _, lossless = _pair("prism-g2-hash", 4, batch)
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))

@@ -128,7 +128,8 @@ def pooled(smollm2):
 
 
 POOLED = ["prism-g4-hash", "prism-g4-mass0.9"]
-ONE_PASS = [(plan, 4) for plan in PLANS[1:]] + [(plan, 8) for plan in POOLED]
+# the sparsity-8 cells (Prism pools that are real subsets) take minutes more: `make test-slow`
+ONE_PASS = [(plan, 4) for plan in PLANS[1:]] + [pytest.param(plan, 8, marks=pytest.mark.slow) for plan in POOLED]
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,7 @@ def test_one_pass_selection_is_the_decode_steps(smollm2, mlp_encoders, monkeypat
             assert torch.equal(got[:, e], want), (layer, e)
 
 
+@pytest.mark.slow
 def test_one_pass_passkey_equals_the_harness(smollm2, reduced, monkeypatch):
     """sparse_fx.offline.agreement's teacher-forced pass key: a plan finds the key exactly when the
     harness's greedy answer, decoded through the compiled model, begins with it (every plan and trial

@@ -23,7 +23,7 @@ def dense_run(smollm2):
     return ids, out
 
 
-@pytest.mark.parametrize("plan", ["oracle", "hash", "prism-g4", "static-g4"])
+@pytest.mark.parametrize("plan", ["oracle", "prism-g4", *(pytest.param(p, marks=pytest.mark.slow) for p in ("hash", "static-g4"))])
 def test_plan_with_budget_covering_context_gives_dense_tokens_and_logits(smollm2, dense_run, plan):
     model, _ = smollm2
     ids, dense = dense_run
