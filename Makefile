@@ -25,11 +25,14 @@ demo: $(STAMP)
 	$(PY) -m sparse_fx demo
 
 # The fast tier first (plans, methods, the pass on toy and tiny models): a broken front end fails in a
-# minute, before the kernel interpreter and the model-level tiers run.
+# minute, before the kernel interpreter and the model-level tiers run. Each tier runs on two workers,
+# a test file each, with one torch thread each: most tests are bound by one Python thread (the Triton
+# interpreter, Dynamo), and two workers of two threads each on 2 cores ran slower than one worker.
 FAST_TIER := tests/methods tests/pass
+PARALLEL := -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" $(FAST_TIER)
-	$(PY) -m pytest -q -m "not slow and not gpu" tests --ignore=tests/methods --ignore=tests/pass
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PARALLEL) -m "not slow and not gpu" $(FAST_TIER)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PARALLEL) -m "not slow and not gpu" tests --ignore=tests/methods --ignore=tests/pass
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow" tests

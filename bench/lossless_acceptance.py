@@ -12,7 +12,13 @@ differently), the dense model's gap between its top two logits there, against th
 that logit (a tie within rounding is the only admissible cause). Budgets are 1/--sparsity of the
 context (sink and local window as given).
 
+With --timed (a GPU), one real end-to-end run per plan as well: `generate()` compiled (Inductor, CUDA
+graphs) in lossless mode at gamma --timed-gamma against the dense model's greedy decoding compiled
+the same way, the median of --repeat warm calls each, on the first window of
+the longest context, at batch 1 and the batch given; the baseline is the `dense` plan compiled alike.
+
     python bench/lossless_acceptance.py --contexts 2048,4096,8192 --windows 2 --gammas 1,2,4,8 --new 64
+    python bench/lossless_acceptance.py --device cuda --timed --timed-batch 4 --windows 3
 Writes <out>/lossless-acceptance.json and .md.
 """
 
@@ -45,6 +51,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    ap.add_argument("--timed", action="store_true", help="also time compiled end-to-end generate() (GPU)")
+    ap.add_argument("--timed-gamma", type=int, default=4)
+    ap.add_argument("--timed-batch", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
     benchlib.add_out(ap)
     a = ap.parse_args()
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
@@ -79,9 +89,57 @@ def main() -> None:
                                seconds=time.perf_counter() - t0, dense_seconds=dense_s, **_parting(want, got, dense.logits))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    report = {"meta": benchlib.header(a), "rows": rows, "summary": summary(rows)}
+    timed = end_to_end(model, tok, a) if a.timed else []
+    report = {"meta": benchlib.header(a), "rows": rows, "summary": summary(rows), "timed": timed}
     benchlib.save(a.out, "lossless-acceptance", report, markdown=markdown(report))
     print(markdown(report))
+
+
+def end_to_end(model, tok, a) -> list[dict]:
+    """Compiled lossless generate() against compiled dense greedy decoding (warm medians)."""
+    n = max(int(c) for c in a.contexts.split(","))
+    prompt = token_windows(tok, "heldout", length=n, count=1, seed=11)[0]
+    out = []
+    for batch in sorted({1, a.timed_batch}):
+        ids = prompt.expand(batch, -1).to(model.device)
+        if batch > 1:  # rows of different texts: a shifted window each
+            ids = torch.stack([prompt.roll(-97 * b) for b in range(batch)]).to(model.device)
+        kwargs = dict(max_new_tokens=a.new, do_sample=False, cache_implementation="static", pad_token_id=tok.eos_token_id,
+                      eos_token_id=None)
+        dense = sparse_fx.compile(copy.deepcopy(model), "dense")  # compiled, CUDA graphs, KV heads read by enable_gqa
+        dense_s, want = _timed(lambda: dense.generate(ids, **kwargs), a.repeat)
+        for plan in a.plans.split(","):
+            m = sparse_fx.compile(copy.deepcopy(model), plan, speculate=a.timed_gamma, budget=n // a.sparsity,
+                                  sink=a.sink, local=a.local, min_context=0)
+            seen = sparse_fx.acceptance(m)
+            first = time.perf_counter()
+            with torch.no_grad():
+                m.generate(ids, **kwargs)
+            first = time.perf_counter() - first
+            seen.reset()
+            spec_s, got = _timed(lambda: m.generate(ids, **kwargs), a.repeat)
+            row = dict(plan=plan, context=n, batch=batch, gamma=a.timed_gamma, new=a.new, dense_s=dense_s, lossless_s=spec_s,
+                       speedup=dense_s / spec_s, first_call_s=first, equal=bool(torch.equal(got, want)),
+                       rate=seen.rate, per_draft=seen.per_draft, tokens_per_round=seen.tokens_per_round,
+                       draft_ms=1e3 * seen.draft_seconds / max(1, seen.rounds * a.timed_gamma),
+                       verify_ms=1e3 * seen.verify_seconds / max(1, seen.rounds))
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def _timed(call, repeat: int) -> tuple[float, torch.Tensor]:
+    """(median seconds of `repeat` calls after a warm-up call, the last output)."""
+    times = []
+    with torch.no_grad():
+        result = call()
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            result = call()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
 
 
 def _parting(want: torch.Tensor, got: torch.Tensor, logits) -> dict:
@@ -120,6 +178,15 @@ def markdown(report: dict) -> str:
     for s in report["summary"]:
         lines.append(f"| {s['plan']} | {s['context']} | {s['gamma']} | {s['per_draft']:.3f} | {s['rate']:.3f} | "
                      f"{s['tokens_per_round']:.2f} | {s['equal']}/{s['windows']} |")
+    if report.get("timed"):
+        lines += ["", "End to end (compiled, CUDA graphs; warm medians; the dense baseline is the `dense` plan: the same "
+                  "compiled static-cache decoding with dense attention):", "",
+                  "| plan | context | batch | gamma | dense s | lossless s | speed-up | acceptance | tokens / round | "
+                  "draft ms | verify ms | tokens equal |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in report["timed"]:
+            lines.append(f"| {t['plan']} | {t['context']} | {t['batch']} | {t['gamma']} | {t['dense_s']:.3f} | "
+                         f"{t['lossless_s']:.3f} | {t['speedup']:.2f}x | {t['rate']:.3f} | {t['tokens_per_round']:.2f} | "
+                         f"{t['draft_ms']:.2f} | {t['verify_ms']:.2f} | {t['equal']} |")
     parted = [r for r in report["rows"] if not r["equal"]]
     lines += ["", f"Runs whose tokens left the dense model's: {len(parted)} of {len(report['rows'])}."]
     for r in parted:

@@ -47,8 +47,18 @@ def main() -> None:
     ap.add_argument("--acceptance", default=None, help="lossless-acceptance.json: per-draft acceptance per plan (its "
                     "longest context, mean over gammas); else --alpha")
     ap.add_argument("--alpha", default="0.8,0.9,0.95", help="per-draft acceptances to tabulate without --acceptance")
+    ap.add_argument("--retable", nargs="+", metavar="JSON", help="no GPU run: the rows of these results, tabulated for "
+                    "--acceptance into --out/lossless-speed.*")
     benchlib.add_out(ap)
     a = ap.parse_args()
+    if a.retable:
+        runs = [json.loads(Path(f).read_text()) for f in a.retable]
+        rows, alphas = [r for run in runs for r in run["rows"]], acceptances(a)
+        meta = {**runs[0]["meta"], "retabled": benchlib.header(a), "sources": [run["meta"]["command"] for run in runs]}
+        report = {"meta": meta, "rows": rows, "alphas": alphas, "table": table(rows, alphas, rows[0].get("gamma", a.gamma))}
+        benchlib.save(a.out, "lossless-speed", report, markdown=markdown(report))
+        print(markdown(report))
+        return
     from transformers import AttentionInterface
 
     AttentionInterface.register("sdpa_gqa", sdpa_gqa_attention)
@@ -125,6 +135,9 @@ def lossless_row(model, original, plan: str, n: int, batch: int, a) -> dict:
             row[key] = statistics.median(r[key] for r in runs)
         row["runs"] = runs
         row["graphs"] = len(sparse_fx.api.sparse_state(model).reports)
+        from torch._dynamo.utils import counters
+
+        row["inductor_counters"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
         row["sparse_layers"] = len(sparse_fx.explain(model).sparse_layers)
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except torch.OutOfMemoryError:

@@ -8,8 +8,9 @@ the KV-cache write and emits the ops that choose the positions, and the SDPA nod
 dense layer of plain layout reads the KV heads by SDPA's enable_gqa (Hugging Face's repeat removed).
 
 A Hugging Face model's prefill never comes here (it runs the model's own attention, see
-`forward.py`); another model's multi-token graph does, and keeps its attention dense while the
-side caches of its new positions are written in the graph.
+`forward.py`); another model's multi-token graph and lossless mode's verify step do, and keep
+their attention dense (KV heads read through enable_gqa) while the side caches of their new
+positions are written in the graph.
 """
 
 from __future__ import annotations

@@ -170,6 +170,9 @@ def install(model: torch.nn.Module, speculation: Speculation) -> None:
         raise ValueError(f"sparse_fx: speculate: layers {sorted(info.local)} are local attention (sliding window or "
                          "chunked), whose ring-buffer caches cannot take back a rejected draft; lossless mode needs "
                          "models whose layers all attend to the whole cache")
+    if info.shard.size > 1:
+        raise ValueError("sparse_fx: speculate under tensor parallelism is not supported: every rank would draw its "
+                         "own acceptance decisions")
     if not callable(getattr(type(model), "generate", None)):
         raise ValueError(f"sparse_fx: speculate needs a model with generate() (a Hugging Face causal LM), not "
                          f"{type(model).__name__}")
@@ -190,7 +193,7 @@ class LosslessGenerate:
         gen, _ = model._prepare_generation_config(generation_config, **dict(kwargs))
         for name, what in REFUSED.items():
             value = kwargs.get(name, getattr(gen, name, None))
-            if value not in (None, False, 1, 0):
+            if value is not None and value is not False and not (type(value) is int and value <= 1):
                 raise ValueError(f"sparse_fx: lossless mode (speculate) does not support {what} ({name}={value!r}); "
                                  "compile without speculate for it")
         ids = inputs if inputs is not None else kwargs.get("input_ids")
@@ -287,8 +290,13 @@ class _Rounds:
         inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=self._mask(tokens.shape[1]),
                       past_key_values=self.cache, use_cache=True, **self.kwargs)
         forward = self.model.forward
+        if self.device.type == "cuda":
+            # Two graphs alternate (draft, verify): tell CUDA graph trees that no output of an earlier
+            # replay is alive (the logits are copied out below), so each replays from the tree's root
+            # instead of being recorded anew after the other
+            torch.compiler.cudagraph_mark_step_begin()
         out = forward.verify(**inputs) if verify else forward(**inputs)
-        return out.logits.float()
+        return out.logits.to(torch.float32, copy=True)
 
     # ------------------------------------------------------------------ scores
     def _scores(self, logits: torch.Tensor, history: list[list[torch.Tensor]], start: int) -> torch.Tensor:

@@ -114,6 +114,8 @@ def test_explain_shows_the_mode_and_bad_arguments_are_refused():
     assert "lossless" in notes and "gamma 2" in notes and "acceptance" in notes
     with pytest.raises(ValueError, match="beam search"):
         _generate(lossless, ids, 8, num_beams=2)
+    with pytest.raises(ValueError, match="returning scores"):
+        _generate(lossless, ids, 8, output_scores=True, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="speculate=0"):
         sparse_fx.compile(tiny_model("llama"), "hash", speculate=0)
     with pytest.raises(ValueError, match="speculate_batch='each'"):
