@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile tests)
+STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile lossless tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -53,6 +53,13 @@ COMMANDS[short]='
 ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
+
+ABOUT[lossless]="~7 min: lossless mode against dense and the lossy plan, 16 layers of the 8B shape, 128K x 1 and 4, 64K x 8, 32K x 16"
+COMMANDS[lossless]='
+  acceptance=()
+  [ -f bench/results/lossless-acceptance.json ] && acceptance=(--acceptance bench/results/lossless-acceptance.json)
+  run python3 bench/lossless_speed.py --shapes 131072x4,131072x1,65536x8,32768x16 --layers 16 --plans hash \
+    "${acceptance[@]}" --out "$out" 2>&1 | tail -12'
 
 ABOUT[tests]="~9 min: tests/generate/test_gpu.py"
 COMMANDS[tests]='
