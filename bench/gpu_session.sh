@@ -54,8 +54,9 @@ ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
 
-ABOUT[lossless]="~7 min: lossless mode against dense and the lossy plan, 16 layers of the 8B shape, 128K x 1 and 4, 64K x 8, 32K x 16"
+ABOUT[lossless]="~9 min: the verify step's attention against SDPA (one layer), then lossless mode against dense and the lossy plan, 16 layers of the 8B shape, 128K x 1 and 4, 64K x 8, 32K x 16"
 COMMANDS[lossless]='
+  run python3 bench/verify_attention.py --out "$out" 2>&1 | tail -24
   acceptance=()
   [ -f bench/results/lossless-acceptance.json ] && acceptance=(--acceptance bench/results/lossless-acceptance.json)
   run python3 bench/lossless_speed.py --shapes 131072x4,131072x1,65536x8,32768x16 --layers 16 --plans hash \

@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 
 import sparse_fx
+from torch._dynamo.utils import counters
 
 import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
+from benchlib.timing import kernel_times
 from benchlib.llama import LLAMA_8B, build_model, random_static_cache, sdpa_gqa_attention, time_decode
 
 
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="131072x4", help="CONTEXTxBATCH,...")
     ap.add_argument("--plans", default="hash", help="draft plans")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--modes", default="reduce-overhead", help="Inductor modes of the lossless rows (reduce-overhead: "
+                    "CUDA graphs; default: none, to see what the graphs save)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget", type=int, default=4096)
     ap.add_argument("--sink", type=int, default=128)
@@ -44,13 +48,19 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48, help="tokens per timed generate() call")
     ap.add_argument("--repeat", type=int, default=3, help="timed generate() calls per configuration (median kept)")
     ap.add_argument("--steps", type=int, default=64, help="timed dense decode steps")
+    ap.add_argument("--profile", action="store_true", help="also record the kernels of one generate() call "
+                    "(torch.profiler: the top 15 by device time, per round)")
     ap.add_argument("--acceptance", default=None, help="lossless-acceptance.json: per-draft acceptance per plan (its "
                     "longest context, mean over gammas); else --alpha")
     ap.add_argument("--alpha", default="0.8,0.9,0.95", help="per-draft acceptances to tabulate without --acceptance")
     ap.add_argument("--retable", nargs="+", metavar="JSON", help="no GPU run: the rows of these results, tabulated for "
                     "--acceptance into --out/lossless-speed.*")
+    ap.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                    help="launch constants of sparse_fx.lowering.kernels before compiling (as kernel_step --set)")
     benchlib.add_out(ap)
     a = ap.parse_args()
+    for knob in a.set:
+        benchlib.set_kernel_constant(knob)
     if a.retable:
         runs = [json.loads(Path(f).read_text()) for f in a.retable]
         rows, alphas = [r for run in runs for r in run["rows"]], acceptances(a)
@@ -71,8 +81,9 @@ def main() -> None:
         rows.append(dense_row(model, original, n, batch, a))
         print(json.dumps(rows[-1]), flush=True)
         for plan in a.plans.split(","):
-            rows.append(lossless_row(model, original, plan, n, batch, a))
-            print(json.dumps(rows[-1]), flush=True)
+            for mode in a.modes.split(","):
+                rows.append(lossless_row(model, original, plan, n, batch, mode, a))
+                print(json.dumps(rows[-1]), flush=True)
     report = {"meta": benchlib.header(a), "rows": rows, "alphas": alphas, "table": table(rows, alphas, a.gamma)}
     benchlib.save(a.out, "lossless-speed", report, markdown=markdown(report))
     print(markdown(report))
@@ -110,13 +121,13 @@ def dense_row(model, original, n: int, batch: int, a) -> dict:
     return row
 
 
-def lossless_row(model, original, plan: str, n: int, batch: int, a) -> dict:
-    row = dict(kind="lossless", plan=plan, context=n, batch=batch, gamma=a.gamma, layers=a.layers)
+def lossless_row(model, original, plan: str, n: int, batch: int, mode: str, a) -> dict:
+    row = dict(kind="lossless", plan=plan, context=n, batch=batch, gamma=a.gamma, layers=a.layers, mode=mode)
     model.forward = original
     g = a.gamma
     room = min(batch, g + 1) * a.new + g + 2
     try:
-        sparse_fx.compile(model, plan, speculate=g, budget=a.budget, sink=a.sink, local=a.local, min_context=0)
+        sparse_fx.compile(model, plan, speculate=g, mode=mode, budget=a.budget, sink=a.sink, local=a.local, min_context=0)
         cache = random_static_cache(model, batch, n - 1, room)
         sparse_fx.attach_cache(model, cache)
         ids = torch.randint(0, LLAMA_8B["vocab_size"], (batch, n), device="cuda")
@@ -133,10 +144,15 @@ def lossless_row(model, original, plan: str, n: int, batch: int, a) -> dict:
                              random_weights_tokens_per_round=seen.tokens_per_round))
         for key in ("round_ms", "draft_ms", "verify_ms"):
             row[key] = statistics.median(r[key] for r in runs)
+        if a.profile:
+            seen.reset()
+            times = kernel_times(lambda: _generate(model, ids, cache, n, a.new), reps=1)
+            rounds = seen.rounds / 2  # kernel_times calls once to warm up, then once profiled
+            top = sorted(times.items(), key=lambda kv: -kv[1][0])[:15]
+            row["kernels_per_round"] = {name[:90]: dict(us=us / rounds, launches=calls / rounds)
+                                        for name, (us, calls) in top}
         row["runs"] = runs
         row["graphs"] = len(sparse_fx.api.sparse_state(model).reports)
-        from torch._dynamo.utils import counters
-
         row["inductor_counters"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
         row["sparse_layers"] = len(sparse_fx.explain(model).sparse_layers)
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -149,6 +165,7 @@ def lossless_row(model, original, plan: str, n: int, batch: int, a) -> dict:
         model.forward = original
         cache = None
         torch._dynamo.reset()
+        counters.clear()
         torch.cuda.empty_cache()
     return row
 
@@ -187,7 +204,8 @@ def table(rows: list[dict], alphas: dict[str, float], gamma: int) -> list[dict]:
             for policy in ("rows", "min"):
                 tokens = expected_tokens(alpha, gamma, r["batch"], policy)
                 per_s = r["batch"] * tokens / (r["round_ms"] / 1e3)
-                out.append(dict(plan=r["plan"], context=r["context"], batch=r["batch"], gamma=gamma, policy=policy,
+                label = r["plan"] if r.get("mode", "reduce-overhead") == "reduce-overhead" else f"{r['plan']} ({r['mode']})"
+                out.append(dict(plan=label, context=r["context"], batch=r["batch"], gamma=gamma, policy=policy,
                                 acceptance=alpha, acceptance_from=source, dense_ms=dense["step_ms"], draft_ms=r["draft_ms"],
                                 verify_ms=r["verify_ms"], round_ms=r["round_ms"], tokens_per_round=tokens,
                                 tokens_per_s=per_s, vs_dense=per_s / dense["tokens_per_s"],

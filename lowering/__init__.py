@@ -5,6 +5,7 @@ Imports nothing else of sparse_fx; the compiler pass inserts these ops, the runt
 
 from . import reference
 from .ops import (
+    few_query_attention,
     hamming_scores,
     hash_select,
     int2_scores,
@@ -18,6 +19,7 @@ from .ops import (
 
 __all__ = [
     "reference",
+    "few_query_attention",
     "hamming_scores",
     "hash_select",
     "int2_scores",

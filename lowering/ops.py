@@ -55,8 +55,9 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(f"sparse_fx: {msg}")
 
 
-def _check_gqa(q: torch.Tensor, k: torch.Tensor, what: str) -> None:
-    _check(q.dim() == 4 and q.shape[2] == 1, f"{what}: q must be [B, Hq, 1, D] (one decode query), got {tuple(q.shape)}")
+def _check_gqa(q: torch.Tensor, k: torch.Tensor, what: str, queries: str = "1") -> None:
+    _check(q.dim() == 4 and (queries != "1" or q.shape[2] == 1),
+           f"{what}: q must be [B, Hq, {queries}, D]{' (one decode query)' if queries == '1' else ''}, got {tuple(q.shape)}")
     _check(k.dim() == 4, f"{what}: k must be [B, Hkv, L, D], got {tuple(k.shape)}")
     _check(q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
     _check(q.shape[1] % k.shape[1] == 0, f"{what}: query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
@@ -69,10 +70,11 @@ def _check_mask(mask: Optional[torch.Tensor], q: torch.Tensor, length: int, what
         mask.dim() == 4
         and mask.shape[0] in (1, q.shape[0])
         and mask.shape[1] in (1, q.shape[1])
-        and mask.shape[2] == 1
+        and mask.shape[2] == q.shape[2]
         and mask.shape[3] == length
     )
-    _check(ok, f"{what}: mask must be [B|1, 1|Hq, 1, L] = [{q.shape[0]}|1, 1|{q.shape[1]}, 1, {length}], got {tuple(mask.shape)}")
+    _check(ok, f"{what}: mask must be [B|1, 1|Hq, T, L] = [{q.shape[0]}|1, 1|{q.shape[1]}, {q.shape[2]}, {length}], "
+           f"got {tuple(mask.shape)}")
     _check(mask.dtype == torch.bool or mask.is_floating_point(), f"{what}: mask must be bool or float, got {mask.dtype}")
 
 
@@ -98,6 +100,24 @@ def sparse_decode_attention(
     if q.is_cuda and _kernels().sparse_decode_attention_supported(q, k, v, indices, scale, mask):
         return _kernels().sparse_decode_attention(q, k, v, indices, scale, mask)
     return ref.sparse_decode_attention(q, k, v, indices, scale, mask)
+
+
+@triton_op("sparse_fx::few_query_attention", mutates_args=())
+def few_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Dense softmax attention of q [B,Hq,T,D] (a few queries: a verify step) over every position of
+    k/v [B,Hkv,L,D]; query head h reads KV head h // (Hq // Hkv). Returns [B,Hq,T,Dv]."""
+    _check_gqa(q, k, "few_query_attention", queries="T")
+    _check(v.shape[:3] == k.shape[:3], f"few_query_attention: v {tuple(v.shape)} must match k {tuple(k.shape)} in [B, Hkv, L]")
+    _check_mask(mask, q, k.shape[2], "few_query_attention")
+    if q.is_cuda and _kernels().few_query_attention_supported(q, k, v, scale, mask):
+        return _kernels().few_query_attention(q, k, v, scale, mask)
+    return ref.few_query_attention(q, k, v, scale, mask)
 
 
 @triton_op("sparse_fx::pack_signs", mutates_args=())

@@ -81,6 +81,31 @@ def sparse_decode_attention(
 
 
 # ------------------------------------------------------------------------------ signatures
+def few_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dense softmax attention of T queries over every cache position.
+
+    q [B,Hq,T,D], k [B,Hkv,L,D], v [B,Hkv,L,Dv], mask [B|1,1|Hq,T,L] additive or boolean. Returns
+    [B,Hq,T,Dv] in q's dtype; a query with nothing readable returns zeros (SDPA would return NaN).
+    """
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = D**-0.5 if scale is None else scale
+    qg = q.reshape(B, Hkv, G * T, D).to(acc)
+    logits = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # [B,Hkv,G*T,L]
+    if mask is not None:
+        logits = logits + _additive(mask, acc).expand(B, Hq, T, L).reshape(B, Hkv, G * T, L)
+    peak = logits.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w = torch.exp(logits - peak)
+    denom = w.sum(-1, keepdim=True)
+    out = torch.matmul(w, v.to(acc)) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.reshape(B, Hq, T, v.shape[-1]).to(q.dtype)
+
+
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """[..., bits] float -> [..., bits/32] int32; bit j of word w is set iff x[..., 32w + j] > 0.
 

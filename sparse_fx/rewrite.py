@@ -9,8 +9,9 @@ dense layer of plain layout reads the KV heads by SDPA's enable_gqa (Hugging Fac
 
 A Hugging Face model's prefill never comes here (it runs the model's own attention, see
 `forward.py`); another model's multi-token graph and lossless mode's verify step do, and keep
-their attention dense (KV heads read through enable_gqa) while the side caches of their new
-positions are written in the graph.
+their attention dense (KV heads read as stored: `few_query_attention` for a verify step's few
+queries, SDPA with enable_gqa for more) while the side caches of their new positions are written
+in the graph.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .runtime.caches import KVShape
 
 OPS = torch.ops.sparse_fx
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FEW_QUERIES = 16  # the most queries a dense attention runs through few_query_attention (a verify step: gamma + 1)
 
 
 def rewrite(gm: fx.GraphModule, state: CompiledState) -> GraphReport:
@@ -96,12 +98,20 @@ class _Edit:
         return row.sparse()
 
     def _dense(self, site: Site, row: Row) -> Row:
-        """A decode attention that stays dense reads the KV heads through SDPA's enable_gqa, the
-        repeat removed: Hugging Face repeats K and V before a masked SDPA (its form with a static
-        cache), a copy of the cache every step that made dense decode 9.3x slower at 128K, batch 4
-        (`bench/results/decode-2026-11-29-128k.json`, "dense" against "dense-gqa")."""
-        if site.gqa in ("repeat_kv", "repeat_interleave") and _problem(site) is None:
-            a = site.args
+        """An attention that stays dense reads the KV heads as stored. With one query, through
+        SDPA's enable_gqa, the repeat removed: Hugging Face repeats K and V before a masked SDPA (its
+        form with a static cache), a copy of the cache every step that made dense decode 9.3x slower
+        at 128K, batch 4 (`bench/results/decode-2026-11-29-128k.json`, "dense" against "dense-gqa").
+        With a few (a verify step), through `few_query_attention`, which splits the keys across
+        programs as SDPA's kernels do for one query only (`bench/results/verify-attention-*.json`)."""
+        if _problem(site) is not None:
+            return row
+        a = site.args
+        if _few_queries(site):
+            self.emit.at(site.node)
+            self._replace(site, self.emit.call(OPS.few_query_attention.default, site.q, site.k_base, site.v_base,
+                                               a["scale"], site.mask))
+        elif site.gqa in ("repeat_kv", "repeat_interleave"):
             self.emit.at(site.node)
             self._replace(site, self.emit.call(gqa_attention, site.q, site.k_base, site.v_base, site.mask, a["scale"]))
         return row
@@ -167,6 +177,19 @@ class _Edit:
 def gqa_attention(q, k, v, mask, scale):
     """Dense attention of q [B, Hq, T, D] over the KV heads k, v [B, Hkv, L, D]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _few_queries(site: Site) -> bool:
+    """Whether a dense attention runs as few_query_attention: 2 to FEW_QUERIES queries, and on CUDA
+    shapes its kernel takes (elsewhere the op is its reference, which the CPU tests exercise)."""
+    q, k, v, mask = meta(site.q), meta(site.k_base), meta(site.v_base), meta(site.mask)
+    if not 1 < q.shape[2] <= FEW_QUERIES:
+        return False
+    if q.device.type != "cuda":
+        return True
+    from .lowering.kernels import few_query_attention_supported
+
+    return few_query_attention_supported(q, k, v, None, mask)
 
 
 def _problem(site: Site) -> str | None:

@@ -10,6 +10,7 @@ the package also memoises torch's per-call-site analysis of the kernels (`access
 
 from . import access_memo
 
+from .few_query_attention import few_query_attention, few_query_attention_supported
 from .gather_attention import sparse_decode_attention, sparse_decode_attention_supported
 from .int2 import int2_scores, int2_scores_supported, int2_write, int2_write_supported
 from .mass import mass_scores, mass_scores_supported
@@ -26,6 +27,8 @@ from .signatures import (
 access_memo.install()
 
 __all__ = [
+    "few_query_attention",
+    "few_query_attention_supported",
     "hash_select",
     "hash_select_supported",
     "hamming_scores",

@@ -120,7 +120,7 @@ def chunk_of(p, lo_c, hi_c, PROGS, BLOCK: tl.constexpr):
 
 # ------------------------------------------------------------------------------------ masks
 class MaskView:
-    """Kernel arguments for an SDPA mask [B|1, 1|Hq, 1, L] read per KV head: the tensor itself
+    """Kernel arguments for an SDPA mask [B|1, 1|Hq, T, L] read per KV head: the tensor itself
     (a bool mask as it is, no copy), broadcast strides 0, and how many mask heads one KV head owns
     (G when the mask has Hq heads, else 1). Kernels only load from it, never store through an
     address derived from it, so Inductor sees a read-only input (no copy-back of the model's mask).
@@ -130,7 +130,7 @@ class MaskView:
         self.present = mask is not None
         if mask is None:
             self.tensor, self.is_bool, self.heads = dummy, True, 1
-            self.sb = self.sh = self.sl = 0
+            self.sb = self.sh = self.st = self.sl = 0
             self.min_half = 0.0
             return
         self.is_bool = mask.dtype == torch.bool
@@ -138,6 +138,7 @@ class MaskView:
         self.heads = 1 if mask.shape[1] == 1 else mask.shape[1] // kv_heads
         self.sb = 0 if mask.shape[0] == 1 else mask.stride(0)
         self.sh = 0 if mask.shape[1] == 1 else mask.stride(1)
+        self.st = 0 if mask.shape[2] == 1 else mask.stride(2)  # one mask row per query (few_query_attention)
         self.sl = mask.stride(3)
         # a float mask value at or below half the dtype's minimum means "masked" (reference.valid_positions)
         self.min_half = 0.0 if self.is_bool else float(torch.finfo(mask.dtype).min) / 2
@@ -217,6 +218,61 @@ def slots_eligible(offs, lo_c, hi_c, row, mask_b, h, min_half, smh, sml,
     if HAS_MASK:
         ok = ok & mask_readable(mask_b, 0, h, offs, row, 0, smh, sml, min_half, MASK_HEADS, MASK_BOOL)
     return ok
+
+
+# ------------------------------------------------------------------------ split-K attention
+@triton.jit
+def _combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, out_ptr,
+    Hq, NSPLIT,
+    sob, soh, sot, sod,
+    G: tl.constexpr, T: tl.constexpr, ROWS_PAD: tl.constexpr, DV: tl.constexpr,
+    S_PAD: tl.constexpr,  # splits padded to a power of two: every split's (max, sumexp) of a row in registers
+    S_STEP: tl.constexpr,  # splits whose accumulators are merged per step ([S_STEP, DV] in registers)
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl_enter)
+):
+    pdl_enter(PDL)
+    pid = tl.program_id(0)  # one (batch, query head, query)
+    t = pid % T
+    bh = pid // T
+    b = bh // Hq
+    hq = bh % Hq
+    r = b * (Hq // G) + hq // G
+    row = (hq % G) * T + t
+    s = tl.arange(0, S_PAD)
+    live = s < NSPLIT
+    base = (r * NSPLIT + s) * ROWS_PAD + row
+    ms = tl.load(pm_ptr + base, mask=live, other=float("-inf"))
+    ls = tl.load(pl_ptr + base, mask=live, other=0.0)
+    top = tl.max(ms, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(ms - top) * ls, axis=0)
+    dv = tl.arange(0, DV)
+    acc = tl.zeros([DV], tl.float32)
+    for s0 in tl.static_range(0, S_PAD, S_STEP):
+        sj = s0 + tl.arange(0, S_STEP)
+        lj = sj < NSPLIT
+        bj = (r * NSPLIT + sj) * ROWS_PAD + row
+        w = tl.exp(tl.load(pm_ptr + bj, mask=lj, other=float("-inf")) - top)
+        parts = tl.load(pacc_ptr + bj[:, None] * DV + dv[None, :], mask=lj[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * parts, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * sob + hq * soh + t * sot + dv * sod, out.to(out_ptr.dtype.element_ty))
+
+
+def combine_splits(pm, pl, pacc, out, G: int, rows_pad: int, splits: int) -> None:
+    """Merge the splits' partial (max, sumexp, acc) of a split-K attention into out [B, Hq, T, DV].
+    Partials are laid out [B*Hkv, splits, rows_pad(, DV)], row g*T + t for query head h*G + g and
+    query t (the G*T query rows of a KV head; rows past G*T are padding, never read)."""
+    B, Hq, T, DV = out.shape
+    torch.library.wrap_triton(_combine_kernel)[(B * Hq * T,)](
+        pm, pl, pacc, out,
+        Hq, splits,
+        *out.stride(),
+        G=G, T=T, ROWS_PAD=rows_pad, DV=DV, S_PAD=pow2(splits), S_STEP=min(pow2(splits), 32),
+        num_warps=4,
+        **pdl(out.device),
+    )
 
 
 # ------------------------------------------------------------------------------ radix counts

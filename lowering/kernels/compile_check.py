@@ -175,6 +175,18 @@ def _scenarios():
     yield "int2 d256 g8 fp16", lambda: K.int2_scores(q16, torch.zeros(1, 2, 1024, 16, dtype=torch.int32),
                                                    torch.zeros(1, 2, 1024, 16, dtype=torch.float16))
     yield "attention d64 g3 float mask", lambda: K.sparse_decode_attention(q3, k3, k3, idx[:, :3], None, mask_f)
+    # a verify step's dense attention: gamma + 1 queries (the query tile at its largest: 64 rows of 128-dim heads, 64 of 256)
+    verify = torch.ones(B, 1, 16, L, dtype=torch.bool)
+    qt = torch.zeros(B, Hkv * G, 16, D, dtype=bf)
+    yield "few_query bf16 t5 split", lambda: K.few_query_attention(qt[:, :, :5], k, k, None, verify[:, :, :5])
+    yield "few_query bf16 t16 one split", lambda: K.few_query_attention(qt.expand(64, -1, -1, -1), k.expand(64, -1, -1, -1),
+                                                                      k.expand(64, -1, -1, -1), None, verify)
+    yield "few_query fp32 t3 float mask", lambda: K.few_query_attention(qt[:, :, :3].float(), k.float(), k.float(), None,
+                                                                      verify[:, :, :3].float())
+    yield "few_query fp32 t8", lambda: K.few_query_attention(qt[:, :, :8].float(), k.float(), k.float(), None, verify[:, :, :8])
+    yield "few_query fp16 d256 g8 t8", lambda: K.few_query_attention(torch.zeros(1, 16, 8, 256, dtype=torch.float16), h16, h16,
+                                                                   None, torch.ones(1, 16, 8, 1024, dtype=torch.bool))
+    yield "few_query d64 g3 t16", lambda: K.few_query_attention(torch.zeros(1, 9, 16, 64, dtype=bf), k3, k3, None, None)
     yield "hamming g3 w2", lambda: K.hamming_scores(torch.zeros(1, 9, 2, dtype=torch.int32), torch.zeros(1, 3, 8192, 2, dtype=torch.int32))
 
 

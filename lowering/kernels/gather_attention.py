@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, MaskView, num_sms, on_kernel_device, pdl,
+    combine_splits, FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, MaskView, num_sms, on_kernel_device, pdl,
     pdl_enter, pow2, row_of, softmax_start, upcast_dot,
 )
 
@@ -135,43 +135,6 @@ def _sparse_attn_kernel(
         )
 
 
-@triton.jit
-def _combine_kernel(
-    pm_ptr, pl_ptr, pacc_ptr, out_ptr,
-    Hq, NSPLIT,
-    sob, soh, sod,
-    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr,
-    S_PAD: tl.constexpr,  # splits padded to a power of two: every split's (max, sumexp) of a head in registers
-    S_STEP: tl.constexpr,  # splits whose accumulators are merged per step ([S_STEP, DV] in registers)
-    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl_enter)
-):
-    pdl_enter(PDL)
-    pid = tl.program_id(0)  # one (batch, query head)
-    b = pid // Hq
-    hq = pid % Hq
-    r = b * (Hq // G) + hq // G
-    g = hq % G
-    s = tl.arange(0, S_PAD)
-    live = s < NSPLIT
-    base = (r * NSPLIT + s) * G_PAD + g
-    ms = tl.load(pm_ptr + base, mask=live, other=float("-inf"))
-    ls = tl.load(pl_ptr + base, mask=live, other=0.0)
-    top = tl.max(ms, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp(ms - top) * ls, axis=0)
-    dv = tl.arange(0, DV)
-    acc = tl.zeros([DV], tl.float32)
-    for s0 in tl.static_range(0, S_PAD, S_STEP):
-        sj = s0 + tl.arange(0, S_STEP)
-        lj = sj < NSPLIT
-        bj = (r * NSPLIT + sj) * G_PAD + g
-        w = tl.exp(tl.load(pm_ptr + bj, mask=lj, other=float("-inf")) - top)
-        parts = tl.load(pacc_ptr + bj[:, None] * DV + dv[None, :], mask=lj[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * parts, axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * sob + hq * soh + dv * sod, out.to(out_ptr.dtype.element_ty))
-
-
 def sparse_decode_attention_supported(q, k, v, indices, scale=None, mask=None) -> bool:
     if not on_kernel_device(q, k, v, indices, mask):
         return False
@@ -243,12 +206,5 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
         **pdl(q.device),
     )
     if splits > 1:
-        torch.library.wrap_triton(_combine_kernel)[(B * Hq,)](
-            pm, pl, pacc, out,
-            Hq, splits,
-            out.stride(0), out.stride(1), out.stride(3),
-            G=G, G_PAD=G_PAD, DV=DV, S_PAD=pow2(splits), S_STEP=min(pow2(splits), 32),
-            num_warps=4,
-            **pdl(q.device),
-        )
+        combine_splits(pm, pl, pacc, out, G, G_PAD, splits)
     return out

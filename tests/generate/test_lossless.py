@@ -106,6 +106,20 @@ def test_later_calls_compile_nothing_and_the_verify_graph_writes_the_side_caches
     assert "side cache" in " ".join(r.reason for r in verify.rows if r.role != "dense")
 
 
+def test_the_verify_graph_reads_the_cache_through_few_query_attention(monkeypatch):
+    """Each layer's verify attention is few_query_attention over the gamma + 1 queries (SDPA's kernels
+    split the keys for one query only); on the CPU the op is its reference, which is counted here."""
+    from sparse_fx.lowering import reference
+
+    seen, real = [], reference.few_query_attention
+    monkeypatch.setattr(reference, "few_query_attention", lambda q, *a: seen.append(tuple(q.shape)) or real(q, *a))
+    _, lossless = _pair("hash", 3, eos_token_id=None)
+    ids = torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(6))
+    dense = sparse_fx.compile(tiny_model("llama", layers=4, eos_token_id=None), "dense", backend="eager")
+    assert torch.equal(_generate(lossless, ids, 12), _generate(dense, ids, 12))
+    assert seen and {shape[2] for shape in seen} == {4} and len(seen) % 4 == 0  # every layer, every round
+
+
 def test_explain_shows_the_mode_and_bad_arguments_are_refused():
     _, lossless = _pair("hash", 2, eos_token_id=None)
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(3))

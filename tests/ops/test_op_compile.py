@@ -161,6 +161,7 @@ def _opcheck_cases():
     pos = torch.tensor([19])
     return [
         (OPS.sparse_decode_attention.default, (q, k, v, idx, 0.3, mask)),
+        (OPS.few_query_attention.default, (q.expand(1, 4, 3, 32).contiguous(), k, v, 0.3, mask.expand(1, 1, 3, 20))),
         (OPS.pack_signs.default, (torch.randn(3, 64, generator=g),)),
         (OPS.hamming_scores.default, (OPS.pack_signs(torch.randn(1, 4, 32, generator=g)), sig)),
         (OPS.signature_write.default, (sig.clone(), torch.randn(1, 2, 1, 32, generator=g), pos)),
