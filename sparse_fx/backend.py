@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
+
 import torch
 
 from . import launch
@@ -44,9 +48,35 @@ def sparse_backend(state: CompiledState):
             # torch 2.11's static launcher crashed (SIGSEGV) launching a kernel of our graphs while
             # CUDA graph trees recorded it; Triton's own launcher does not
             patches["use_static_cuda_launcher"] = False
+        if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+            patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
+                                                           **_cacheable_functions(gm)}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     return sparse_fx_backend
+
+
+def _cacheable_functions(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """The Python functions of ours the rewrite calls in the graph (apply_head_mlp, gqa_attention,
+    first_readable), each keyed by the hash of this package's source: AOTAutograd's cache refuses a
+    graph that calls a function it does not know, so a restarted process traced the whole graph again.
+    They are pure functions of their tensors; measure.record, a hook with side effects, is not marked."""
+    from . import measure
+
+    names = {f"{n.target.__module__}.{n.target.__name__}" for n in gm.graph.nodes
+             if n.op == "call_function" and callable(n.target) and n.target is not measure.record
+             and getattr(n.target, "__module__", "").startswith("sparse_fx.")}
+    return dict.fromkeys(sorted(names), _package_source_hash())
+
+
+@functools.lru_cache(maxsize=None)
+def _package_source_hash() -> str:
+    """sha256 of every .py file of sparse_fx (its lowering and runtime included, wherever they lie)."""
+    from . import lowering, runtime
+
+    roots = {Path(p) for pkg in (__import__("sparse_fx"), lowering, runtime) for p in pkg.__path__}
+    files = sorted(f for root in roots for f in root.rglob("*.py"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
 def _check_strict(state: CompiledState, report) -> None:

@@ -117,6 +117,11 @@ class _Edit:
         return row
 
     def _replace(self, site: Site, out: fx.Node) -> None:
+        # the same value as the attention's: its fake tensor too (AOTAutograd's cache refuses a method
+        # call on a node without one, e.g. the transpose after the attention)
+        for key in ("example_value", "val"):
+            if key in site.node.meta:
+                out.meta[key] = site.node.meta[key]
         site.node.replace_all_uses_with(out)
         self.emit.g.erase_node(site.node)
         self.dead += [site.args["key"], site.args["value"]]
