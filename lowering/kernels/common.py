@@ -260,6 +260,24 @@ def _combine_kernel(
     tl.store(out_ptr + b.to(tl.int64) * sob + hq * soh + t * sot + dv * sod, out.to(out_ptr.dtype.element_ty))
 
 
+def split_keys(length: int, block: int, rows: int, waves: int, max_splits: int, device: torch.device) -> tuple[int, int]:
+    """(splits, split length) of a split-K attention over `length` entries in blocks of `block`:
+    about `waves` programs an SM over `rows` (batch, KV head) rows, at most `max_splits` a row."""
+    blocks = triton.cdiv(length, block)
+    splits = max(1, min(max_splits, blocks, triton.cdiv(waves * num_sms(device), rows)))
+    split_len = triton.cdiv(blocks, splits) * block
+    return triton.cdiv(length, split_len), split_len
+
+
+def split_partials(rows: int, splits: int, rows_pad: int, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Scratch for the splits' partial (max, sumexp, acc) that combine_splits merges; with one split
+    the program writes `out` itself and `out` stands in for them (never read)."""
+    if splits == 1:
+        return out, out, out
+    pm = torch.empty(rows * splits * rows_pad, dtype=torch.float32, device=out.device)
+    return pm, torch.empty_like(pm), torch.empty(rows * splits * rows_pad * out.shape[-1], dtype=torch.float32, device=out.device)
+
+
 def combine_splits(pm, pl, pacc, out, G: int, rows_pad: int, splits: int) -> None:
     """Merge the splits' partial (max, sumexp, acc) of a split-K attention into out [B, Hq, T, DV].
     Partials are laid out [B*Hkv, splits, rows_pad(, DV)], row g*T + t for query head h*G + g and

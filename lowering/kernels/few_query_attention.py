@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    combine_splits, dot, FLOAT_DTYPES, interpreting, is_pow2, MAX_SPLITS, MaskView, num_sms, on_kernel_device, pdl,
-    pdl_enter, pow2, row_of, softmax_start, upcast_dot,
+    combine_splits, dot, FLOAT_DTYPES, interpreting, is_pow2, MAX_SPLITS, MaskView, on_kernel_device, pdl,
+    pdl_enter, pow2, row_of, softmax_start, split_keys, split_partials, upcast_dot,
 )
 
 # padded G * T rows x head dim (twice that for fp32 queries): the query and output tiles a program
@@ -161,17 +161,9 @@ def few_query_attention(q, k, v, scale=None, mask=None, *, block_n=None, warps=N
     fp32 = q.element_size() == 4  # half the keys a tile and 8 warps, or the tiles spill (compile_check)
     block = block_n or max(16, TILE_BYTES // (max(D, DV) * q.element_size() * (2 if fp32 else 1)))
     rows_pad = max(16, pow2(G * T))
-    blocks = triton.cdiv(L, block)
-    splits = max(1, min(max_splits, blocks, triton.cdiv((waves or WAVES) * num_sms(q.device), R)))
-    split_len = triton.cdiv(blocks, splits) * block
-    splits = triton.cdiv(L, split_len)
+    splits, split_len = split_keys(L, block, R, waves or WAVES, max_splits, q.device)
+    pm, pl, pacc = split_partials(R, splits, rows_pad, out)
     ma = MaskView(mask, Hkv, q)
-    if splits > 1:
-        pm = torch.empty(R * splits * rows_pad, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(R * splits * rows_pad * DV, dtype=torch.float32, device=q.device)
-    else:
-        pm = pl = pacc = out  # unused
     torch.library.wrap_triton(_few_query_kernel)[(R, splits)](
         q, k, v, ma.tensor, out, pm, pl, pacc,
         sm_scale, Hkv, L, split_len, splits,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    combine_splits, FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, MaskView, num_sms, on_kernel_device, pdl,
+    combine_splits, split_keys, split_partials, FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, MaskView, on_kernel_device, pdl,
     pdl_enter, pow2, row_of, softmax_start, upcast_dot,
 )
 
@@ -178,17 +178,9 @@ def sparse_decode_attention(q, k, v, indices, scale=None, mask=None, *, block_n=
     waves = waves or ATTN_WAVES
     warps = warps or ATTN_WARPS
     G_PAD = max(16, pow2(G))
-    blocks = triton.cdiv(NIDX, BLOCK_N)
-    splits = max(1, min(max_splits, blocks, triton.cdiv(waves * num_sms(q.device), R)))
-    split_len = triton.cdiv(blocks, splits) * BLOCK_N
-    splits = triton.cdiv(NIDX, split_len)
+    splits, split_len = split_keys(NIDX, BLOCK_N, R, waves, max_splits, q.device)
+    pm, pl, pacc = split_partials(R, splits, G_PAD, out)
     ma = MaskView(mask, Hkv, indices)
-    if splits > 1:
-        pm = torch.empty(R * splits * G_PAD, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(R * splits * G_PAD * DV, dtype=torch.float32, device=q.device)
-    else:
-        pm = pl = pacc = out  # unused
     torch.library.wrap_triton(_sparse_attn_kernel)[(R, splits)](
         q, k, v, indices, ma.tensor, out, pm, pl, pacc,
         sm_scale, Hkv, NIDX, split_len, splits,
