@@ -6,6 +6,8 @@ Each op's body picks its implementation from the device: Triton kernels launched
 See `reference.py` for the exact semantics and shapes of every op.
 """
 
+import hashlib
+import pathlib
 from typing import Optional
 
 import torch
@@ -14,19 +16,18 @@ from torch.library import triton_op
 from . import reference as ref
 
 
-def _source_tag() -> str:
-    """'sparse_fx.lowering-<hash of this package's source>' ('' where the source is not on disk)."""
-    import hashlib
-    import pathlib
-
+def source_digest(*roots) -> str:
+    """16 hex digits of sha256 over the .py files under the folders `roots` ('' where no source is
+    on disk): what compile caches key on, so an edit of ours never replays an old graph."""
     try:
-        source = b"".join(p.read_bytes() for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
+        source = b"".join(p.read_bytes() for p in sorted({f for r in roots for f in pathlib.Path(r).rglob("*.py")}))
     except OSError:
         return ""
-    return f"sparse_fx.lowering-{hashlib.sha256(source).hexdigest()[:16]}" if source else ""
+    return hashlib.sha256(source).hexdigest()[:16] if source else ""
 
 
-SOURCE_TAG = _source_tag()
+_DIGEST = source_digest(pathlib.Path(__file__).parent)
+SOURCE_TAG = f"sparse_fx.lowering-{_DIGEST}" if _DIGEST else ""
 
 
 def salt_compile_caches() -> None:
@@ -55,9 +56,11 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(f"sparse_fx: {msg}")
 
 
-def _check_gqa(q: torch.Tensor, k: torch.Tensor, what: str, queries: str = "1") -> None:
-    _check(q.dim() == 4 and (queries != "1" or q.shape[2] == 1),
-           f"{what}: q must be [B, Hq, {queries}, D]{' (one decode query)' if queries == '1' else ''}, got {tuple(q.shape)}")
+def _check_gqa(q: torch.Tensor, k: torch.Tensor, what: str, one_query: bool = True) -> None:
+    if one_query:
+        _check(q.dim() == 4 and q.shape[2] == 1, f"{what}: q must be [B, Hq, 1, D] (one decode query), got {tuple(q.shape)}")
+    else:
+        _check(q.dim() == 4, f"{what}: q must be [B, Hq, T, D], got {tuple(q.shape)}")
     _check(k.dim() == 4, f"{what}: k must be [B, Hkv, L, D], got {tuple(k.shape)}")
     _check(q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
     _check(q.shape[1] % k.shape[1] == 0, f"{what}: query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
@@ -112,7 +115,7 @@ def few_query_attention(
 ) -> torch.Tensor:
     """Dense softmax attention of q [B,Hq,T,D] (a few queries: a verify step) over every position of
     k/v [B,Hkv,L,D]; query head h reads KV head h // (Hq // Hkv). Returns [B,Hq,T,Dv]."""
-    _check_gqa(q, k, "few_query_attention", queries="T")
+    _check_gqa(q, k, "few_query_attention", one_query=False)
     _check(v.shape[:3] == k.shape[:3], f"few_query_attention: v {tuple(v.shape)} must match k {tuple(k.shape)} in [B, Hkv, L]")
     _check_mask(mask, q, k.shape[2], "few_query_attention")
     if q.is_cuda and _kernels().few_query_attention_supported(q, k, v, scale, mask):

@@ -42,6 +42,15 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- gather-attention
+def _softmax_values(logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(logits) @ v over the last dim; a row with nothing readable (all -inf) gives zeros."""
+    peak = logits.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w = torch.exp(logits - peak)
+    denom = w.sum(-1, keepdim=True)
+    return torch.matmul(w, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
 def sparse_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,13 +80,7 @@ def sparse_decode_attention(
     if mask is not None:
         m = _additive(mask, acc)[:, :, 0, :].expand(B, Hq, L).reshape(B, Hkv, G, L)
         bias = bias + torch.gather(m, 3, idx[:, :, None, :].expand(-1, -1, G, -1))
-    logits = logits + bias
-    peak = logits.amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    w = torch.exp(logits - peak)
-    denom = w.sum(-1, keepdim=True)
-    out = torch.matmul(w, vg) / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return out.reshape(B, Hq, 1, v.shape[-1]).to(q.dtype)
+    return _softmax_values(logits + bias, vg).reshape(B, Hq, 1, v.shape[-1]).to(q.dtype)
 
 
 # ------------------------------------------------------------------------------ signatures
@@ -98,12 +101,7 @@ def few_query_attention(
     logits = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # [B,Hkv,G*T,L]
     if mask is not None:
         logits = logits + _additive(mask, acc).expand(B, Hq, T, L).reshape(B, Hkv, G * T, L)
-    peak = logits.amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    w = torch.exp(logits - peak)
-    denom = w.sum(-1, keepdim=True)
-    out = torch.matmul(w, v.to(acc)) / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return out.reshape(B, Hq, T, v.shape[-1]).to(q.dtype)
+    return _softmax_values(logits, v.to(acc)).reshape(B, Hq, T, v.shape[-1]).to(q.dtype)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import torch
 
@@ -71,12 +69,11 @@ def _cacheable_functions(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _package_source_hash() -> str:
-    """sha256 of every .py file of sparse_fx (its lowering and runtime included, wherever they lie)."""
+    """The digest of every .py file of sparse_fx (its lowering and runtime included, wherever they lie)."""
     from . import lowering, runtime
+    from .lowering.ops import source_digest
 
-    roots = {Path(p) for pkg in (__import__("sparse_fx"), lowering, runtime) for p in pkg.__path__}
-    files = sorted(f for root in roots for f in root.rglob("*.py"))
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    return source_digest(*(p for pkg in (__import__("sparse_fx"), lowering, runtime) for p in pkg.__path__))
 
 
 def _check_strict(state: CompiledState, report) -> None:

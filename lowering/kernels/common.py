@@ -260,6 +260,28 @@ def _combine_kernel(
     tl.store(out_ptr + b.to(tl.int64) * sob + hq * soh + t * sot + dv * sod, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def online_softmax(s, vt, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of a flash attention: logits s [ROWS, BLOCK_N] (-inf where unreadable) and values
+    vt [BLOCK_N, DV] folded into the running max m_i, sum l_i and accumulator acc of each row."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing readable yet: exp(-inf - 0) = 0
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partials(pm_ptr, pl_ptr, pacc_ptr, base, rows, live, m_i, l_i, acc, DV: tl.constexpr):
+    """A split's partial (max, sumexp, acc) of its live rows at base + row, for combine_splits."""
+    dv = tl.arange(0, DV)
+    tl.store(pm_ptr + base + rows, m_i, mask=live)
+    tl.store(pl_ptr + base + rows, l_i, mask=live)
+    tl.store(pacc_ptr + (base + rows)[:, None] * DV + dv[None, :], acc, mask=live[:, None])
+
+
 def split_keys(length: int, block: int, rows: int, waves: int, max_splits: int, device: torch.device) -> tuple[int, int]:
     """(splits, split length) of a split-K attention over `length` entries in blocks of `block`:
     about `waves` programs an SM over `rows` (batch, KV head) rows, at most `max_splits` a row."""

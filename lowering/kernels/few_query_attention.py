@@ -17,7 +17,8 @@ import triton.language as tl
 
 from .common import (
     combine_splits, dot, FLOAT_DTYPES, interpreting, is_pow2, MAX_SPLITS, MaskView, on_kernel_device, pdl,
-    pdl_enter, pow2, row_of, softmax_start, split_keys, split_partials, upcast_dot,
+    online_softmax, pdl_enter, pow2, row_of, softmax_start, split_keys, split_partials, store_partials,
+    upcast_dot,
 )
 
 # padded G * T rows x head dim (twice that for fp32 queries): the query and output tiles a program
@@ -87,10 +88,7 @@ def _few_query_kernel(
                                   skl, skd, svl, svd, sml, D, DV, BLOCK_N, HAS_MASK, MASK_BOOL, DOT_PRECISION, UPCAST)
             start += BLOCK_N
     if SPLIT:
-        base = (r * NSPLIT + sp) * ROWS_PAD
-        tl.store(pm_ptr + base + rows, m_i, mask=live)
-        tl.store(pl_ptr + base + rows, l_i, mask=live)
-        tl.store(pacc_ptr + (base + rows)[:, None] * DV + dv[None, :], acc, mask=live[:, None])
+        store_partials(pm_ptr, pl_ptr, pacc_ptr, (r * NSPLIT + sp) * ROWS_PAD, rows, live, m_i, l_i, acc, DV)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * sob + (h * G + g)[:, None] * soh + t[:, None] * sot + dv[None, :] * sod,
@@ -116,13 +114,7 @@ def _tile(q, k_row, v_row, mask_rows, start, hi, m_i, l_i, acc, sm_scale, live,
         else:
             s = s + tl.load(mask_rows[:, None] + pos[None, :] * sml, mask=ok, other=0.0).to(tl.float32)
     s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing readable yet: exp(-inf - 0) = 0
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT_PRECISION, UPCAST)
-    return m_new, l_i, acc
+    return online_softmax(s, vt, m_i, l_i, acc, DOT_PRECISION, UPCAST)
 
 
 def few_query_attention_supported(q, k, v, scale=None, mask=None) -> bool:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .common import (
     combine_splits, split_keys, split_partials, FLOAT_DTYPES, MAX_SPLITS, dot, group_queries, interpreting, is_pow2, MaskView, on_kernel_device, pdl,
-    pdl_enter, pow2, row_of, softmax_start, upcast_dot,
+    online_softmax, pdl_enter, pow2, row_of, softmax_start, store_partials, upcast_dot,
 )
 
 
@@ -58,13 +58,7 @@ def _attn_tile(
             s = tl.where(mv != 0, s, float("-inf"))
         else:
             s = s + mv.to(tl.float32)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing readable yet: exp(-inf - 0) = 0
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT_PRECISION, UPCAST)
-    return m_new, l_i, acc
+    return online_softmax(s, vt, m_i, l_i, acc, DOT_PRECISION, UPCAST)
 
 
 @triton.jit
@@ -123,10 +117,7 @@ def _sparse_attn_kernel(
             start += BLOCK_N
     dv = tl.arange(0, DV)
     if SPLIT:  # the G real heads' partials (padded rows are never read)
-        base = (r * NSPLIT + sp) * G_PAD
-        tl.store(pm_ptr + base + g, m_i, mask=gm)
-        tl.store(pl_ptr + base + g, l_i, mask=gm)
-        tl.store(pacc_ptr + (base + g)[:, None] * DV + dv[None, :], acc, mask=gm[:, None])
+        store_partials(pm_ptr, pl_ptr, pacc_ptr, (r * NSPLIT + sp) * G_PAD, g, gm, m_i, l_i, acc, DV)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
