@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import sparse_fx
+from sparse_fx.forward import cache_bucket
 from torch._dynamo.utils import counters
 
 import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
@@ -125,7 +126,8 @@ def lossless_row(model, original, plan: str, n: int, batch: int, mode: str, a) -
     row = dict(kind="lossless", plan=plan, context=n, batch=batch, gamma=a.gamma, layers=a.layers, mode=mode)
     model.forward = original
     g = a.gamma
-    room = min(batch, g + 1) * a.new + g + 2
+    room = cache_bucket(n - 1 + min(batch, g + 1) * a.new + g + 2) - (n - 1)  # the cache generate() allocates
+    row["cache_len"] = n - 1 + room
     try:
         sparse_fx.compile(model, plan, speculate=g, mode=mode, budget=a.budget, sink=a.sink, local=a.local, min_context=0)
         cache = random_static_cache(model, batch, n - 1, room)
