@@ -1,10 +1,13 @@
 """Side caches: what a layer keeps beside its KV cache for the scores (key signatures, INT2 keys).
 
-They are allocated once per (layer, KV-cache shape, device), with static addresses that every
-compiled decode graph of that shape captures, and written only where the KV cache is written.
-One set serves every KV cache of its shape, so it records which cache it currently describes
-(its owner); a decode step on another cache refills it from that cache's keys first. Shapes
-are a rank's own under tensor parallelism (`Shard`: which heads it holds).
+They are allocated once per (layer, KV-cache shape, device), with static addresses, and reach the
+decode graph as inputs whose length is symbolic like the KV cache's (one graph serves every cache
+length); they are written only where the KV cache is written. A layer keeps one set, for the cache
+length it last ran on: a new length frees the old one (memory stays one set a layer), and a later
+step on the old length allocates and refills it. One set serves every KV cache of its shape, so it
+records which cache it currently describes (its owner); a decode step on another cache refills it
+from that cache's keys first. Shapes are a rank's own under tensor parallelism (`Shard`: which heads
+it holds).
 """
 
 from __future__ import annotations
@@ -27,8 +30,26 @@ class KVShape:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> KVShape:
-        b, h, n, d = (int(s) for s in t.shape)
-        return cls(b, h, n, d, t.device)
+        """The shape of a KV-cache tensor; a length that is symbolic in the graph stays so (comparing
+        it then guards the graph on a range of lengths, never on one)."""
+        b, h, n, d = t.shape
+        return cls(int(b), int(h), n if isinstance(n, torch.SymInt) else int(n), int(d), t.device)
+
+    @classmethod
+    def hinted(cls, t: torch.Tensor) -> KVShape:
+        """The shape with the length the graph is being compiled at (for reports; no guard)."""
+        kv = cls.of(t)
+        return cls(kv.batch, kv.kv_heads, kv.length, kv.head_dim, kv.device)
+
+    @property
+    def symbolic(self) -> bool:
+        return isinstance(self.max_len, torch.SymInt)
+
+    @property
+    def length(self) -> int:
+        """The length as a number for messages: a symbolic one's value at this compile (no guard)."""
+        n = self.max_len
+        return int(n.node.hint) if isinstance(n, torch.SymInt) and n.node.hint is not None else int(n)
 
 
 @dataclass(frozen=True)
@@ -75,8 +96,13 @@ class SideCaches:
         """The layer's side-cache tensors for this KV shape, allocated (zeroed) on first use."""
         key = (layer, kv)
         if key not in self.tensors:
+            for old in [k for k in self.tensors if k[0] == layer]:
+                del self.tensors[old]  # one set a layer (module docstring)
+            self.owners = {shape: ref for shape, ref in self.owners.items()
+                           if any(shape == k[1] for k in self.tensors)}
             lead = (kv.batch, kv.kv_heads, kv.max_len)
-            self.tensors[key] = {name: torch.zeros(*lead, *s.tail, dtype=s.dtype, device=kv.device) for name, s in specs.items()}
+            self.tensors[key] = {name: _static(torch.zeros(*lead, *s.tail, dtype=s.dtype, device=kv.device))
+                                 for name, s in specs.items()}
         return self.tensors[key]
 
     def of_layer(self, layer: int) -> list[torch.Tensor]:
@@ -107,3 +133,11 @@ class SideCaches:
             if ref() is cache:
                 for side in self.of_shape(kv):
                     side.copy_(side.index_select(0, beam_idx.to(side.device)))
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """A side cache as a decode graph's input: a static address (CUDA graphs read and write it in
+    place, as they do the KV cache) and a length that may vary (dim 2)."""
+    torch._dynamo.mark_static_address(t)
+    torch._dynamo.maybe_mark_dynamic(t, 2)
+    return t

@@ -12,6 +12,7 @@ from .backend import sparse_backend
 from .compiled import CompiledState
 from .explain import GraphReport, Report, Row
 from .forward import SparseForward, bucket_static_caches
+from .graph import side_cache_input
 from .measure import Measurements
 from .model_info import ModelInfo, attention_implementation, set_attention, use_sdpa
 from .plan import Plan
@@ -226,9 +227,12 @@ def _own_frame(fn):
     Dynamo keeps its compiled graphs, and counts recompiles against its limit, per code object.
     Hugging Face forwards share one decorator code object across all models, so without this
     every compile of every model in the process would share one cache and one recompile budget.
+    Side caches come as `sparse_fx_side_caches` ({(layer, name): tensor}), marked as graph inputs.
     """
 
-    def forward(*args, **kwargs):
+    def forward(*args, sparse_fx_side_caches=None, **kwargs):
+        for (layer, name), tensor in (sparse_fx_side_caches or {}).items():
+            side_cache_input(tensor, layer, name)
         return fn(*args, **kwargs)
 
     forward.__code__ = forward.__code__.replace()

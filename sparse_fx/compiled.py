@@ -93,12 +93,12 @@ class CompiledState:
             return None
         p = self.plan
         if p.window + p.budget >= kv.max_len:
-            return (f"budget {p.budget} + sink {p.sink} + local {p.local} cover the whole static cache of {kv.max_len} "
+            return (f"budget {p.budget} + sink {p.sink} + local {p.local} cover the whole static cache of {kv.length} "
                     "tokens: no selection to make")
         need, source = self.min_context(kv)
         if kv.max_len >= need:
             return None
-        return f"static cache of {kv.max_len} tokens is shorter than {need} ({source})"
+        return f"static cache of {kv.length} tokens is shorter than {need} ({source})"
 
     def budget_text(self) -> str:
         p = self.plan
@@ -149,6 +149,12 @@ class CompiledState:
                     self.method.write(emit, self.context, i, kv, side, layer.keys[:, :, start:stop], pos)
             for kv in {kv for _, _, kv, _ in described}:
                 self.side_caches.own(kv, cache)
+
+    def graph_side_caches(self, cache) -> dict[tuple[int, str], torch.Tensor]:
+        """The side caches a decode graph on `cache` reads and writes, by (layer, name): the graph's
+        inputs (`api._own_frame`), allocated on first use."""
+        return {(i, name): t for i, _, kv, specs in self._described(cache)
+                for name, t in self.side_caches.layer(i, kv, specs).items()}
 
     def owns(self, cache) -> bool:
         """Whether the side caches describe `cache` (True when it has none to describe). Checked on

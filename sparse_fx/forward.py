@@ -90,9 +90,14 @@ class SparseForward:
     def _decode(self, args, kwargs):
         config = torch._dynamo.config
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        cache = kwargs.get("past_key_values")
+        side = {}
+        if static_layers(cache) is not None:
+            symbolic_length(cache, kwargs.get("attention_mask"))
+            side = self.state.graph_side_caches(cache)
         try:
             with config.patch(**{limit: MAX_DECODE_GRAPHS}):
-                return self.compiled(*args, **kwargs)
+                return self.compiled(*args, sparse_fx_side_caches=side, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             shapes = sorted({(r.shape.batch, r.shape.max_len) for r in self.state.reports if r.decode and r.shape is not None})
             raise RuntimeError(
@@ -182,6 +187,42 @@ def _notifying(base, name: str):
         return out
 
     return method
+
+
+def symbolic_length(cache, mask) -> None:
+    """Make the static cache's length symbolic in the decode graph: one graph serves every length.
+    Its keys and values vary in length (dim 2), a 4-D mask over the cache in its last dim, and a
+    layer that builds the mask itself takes the length from its keys, not from the Python int
+    `max_cache_len` (which the graph would be specialised on)."""
+    for layer in static_layers(cache):
+        if not getattr(layer, "is_initialized", False) or getattr(layer, "is_sliding", False):
+            continue  # (a sliding window's ring buffer has its window's length, whatever the cache's)
+        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+        torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        if hasattr(layer, "get_mask_sizes") and not getattr(type(layer), "_sparse_fx_symbolic", False):
+            layer.__class__ = _symbolic_layer_class(type(layer))
+    length = max((layer.max_cache_len for layer in static_layers(cache) if not getattr(layer, "is_sliding", False)), default=None)
+    for t in mask.values() if isinstance(mask, dict) else [mask]:
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] == length:
+            torch._dynamo.maybe_mark_dynamic(t, 3)
+
+
+def _symbolic_layer_class(cls: type) -> type:
+    name = f"Symbolic{cls.__name__}"
+    sub = globals().get(name)
+    if sub is None or sub.__bases__ != (cls,):
+        base = cls.get_mask_sizes
+
+        def get_mask_sizes(self, *args, **kwargs):
+            length, offset = base(self, *args, **kwargs)
+            if length == self.max_cache_len and getattr(self, "is_initialized", False):
+                length = self.keys.shape[-2]
+            return length, offset
+
+        sub = type(name, (cls,), {"get_mask_sizes": get_mask_sizes, "_sparse_fx_symbolic": True,
+                                  "__module__": __name__, "__qualname__": name})
+        globals()[name] = sub  # importable by name: a cache with such layers pickles
+    return sub
 
 
 def initialise_static_cache(model: torch.nn.Module, info, ids, cache) -> None:

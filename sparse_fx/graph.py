@@ -9,9 +9,29 @@ same calls on tensors.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .match import op_name
+
+
+@torch.library.custom_op("sparse_fx::side_cache_input", mutates_args=("tensor",))
+def side_cache_input(tensor: torch.Tensor, layer: int, name: str) -> None:
+    """Marks a graph input as layer `layer`'s side cache `name`: the compiled forward calls it on each
+    side cache it is given, so the tensors reach the decode graph as inputs (their length symbolic
+    like the KV cache's), and the rewrite takes the marks out (`side_cache_inputs`). Declared as
+    writing the tensor so that the mark is kept in the graph until then; it does nothing."""
+
+
+def side_cache_inputs(graph: fx.Graph) -> dict[tuple[int, str], fx.Node]:
+    """The graph inputs marked as side caches, by (layer, name); the marks erased."""
+    found = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.sparse_fx.side_cache_input.default:
+            tensor, layer, name = node.args
+            found[(layer, name)] = tensor
+            graph.erase_node(node)
+    return found
 
 
 class GraphEmitter:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import measure
 from .compiled import CompiledState
 from .explain import GraphReport, Row
-from .graph import GraphEmitter, remove_dead
+from .graph import GraphEmitter, remove_dead, side_cache_inputs
 from .lowering import ops  # noqa: F401  (registers torch.ops.sparse_fx)
 from .lowering.reference import first_readable
 from .match import Site, find_sites, meta
@@ -37,22 +37,24 @@ FEW_QUERIES = 16  # the most queries a dense attention runs through few_query_at
 
 def rewrite(gm: fx.GraphModule, state: CompiledState) -> GraphReport:
     """Rewrite the decode graph `gm` in place for `state.plan`; return what was done to each attention."""
+    side = side_cache_inputs(gm.graph)
     sites = find_sites(gm)
     decode = all(s.q_len == 1 for s in sites)  # no attention found: a decode graph that keeps none
-    edit = _Edit(gm, state)
+    edit = _Edit(gm, state, side)
     rows = [edit.site(site) if decode else edit.prefill_site(site) for site in sites]
     if rows:
         remove_dead(gm.graph, edit.dead)
         gm.graph.lint()
         gm.recompile()
-    shapes = [KVShape.of(meta(s.k_base)) for s in sites if meta(s.k_base) is not None and meta(s.k_base).dim() == 4]
+    shapes = [KVShape.hinted(meta(s.k_base)) for s in sites if meta(s.k_base) is not None and meta(s.k_base).dim() == 4]
     shape = max(shapes, key=lambda kv: kv.max_len, default=None)  # the full-attention cache, not a sliding window
     return GraphReport(rows=rows, shape=shape, decode=decode)
 
 
 class _Edit:
-    def __init__(self, gm: fx.GraphModule, state: CompiledState):
+    def __init__(self, gm: fx.GraphModule, state: CompiledState, side: dict[tuple[int, str], fx.Node]):
         self.state, self.plan, self.method = state, state.plan, state.method
+        self.side = side  # the side caches given as graph inputs, by (layer, name)
         self.emit = GraphEmitter(gm)
         self.carry: dict = {}  # what a method hands from one layer to the next (a Prism pool)
         self.starts: dict[fx.Node, fx.Node] = {}  # each row's first real position, per mask
@@ -83,7 +85,7 @@ class _Edit:
         a = site.args
         self.emit.at(site.node)
         view = MethodSite(layer=site.layer, role=role, q=site.q, k=site.k_base, v=site.v_base, mask=site.mask,
-                          scale=a["scale"], pos=site.k_write.pos, start=self._start(site.mask, kv), kv=kv,
+                          scale=a["scale"], pos=site.k_write.pos, start=self._start(site.mask, site.k_base, kv), kv=kv,
                           q_heads=meta(site.q).shape[1], side=side, carry=self.carry)
         chosen = self.method.select(self.emit, state.context, view)
         if chosen.indices is None:
@@ -159,8 +161,11 @@ class _Edit:
         specs = self.method.side_cache(role, kv, self.plan)
         if not specs:
             return {}
-        tensors = state.side_caches.layer(site.layer, kv, specs)
-        side = {name: self.emit.tensor(f"l{site.layer}_{name}", t) for name, t in tensors.items()}
+        if all((site.layer, name) in self.side for name in specs):
+            side = {name: self.side[(site.layer, name)] for name in specs}
+        else:  # a cache the graph itself initialises: its length is static, its side cache a buffer
+            tensors = state.side_caches.layer(site.layer, kv, specs)
+            side = {name: self.emit.tensor(f"l{site.layer}_{name}", t) for name, t in tensors.items()}
         # the side cache describes the keys as stored, read back after the KV write: the value that
         # fed the write may be recomputed by the compiler, rounding differently
         w = site.k_write
@@ -171,11 +176,12 @@ class _Edit:
         row.side_cache_bytes = state.side_caches.nbytes(site.layer)
         return side
 
-    def _start(self, mask: fx.Node, kv: KVShape) -> fx.Node:
+    def _start(self, mask: fx.Node, k: fx.Node, kv: KVShape) -> fx.Node:
         """Each batch row's first readable position, computed once per mask: a left-padded row's
         sink starts there."""
         if mask not in self.starts:  # emitted before this attention, so every later one sees it
-            self.starts[mask] = self.emit.call(first_readable, mask, kv.batch, kv.max_len)
+            length = self.emit.call(torch.ops.aten.sym_size.int, k, 2) if kv.symbolic else kv.max_len
+            self.starts[mask] = self.emit.call(first_readable, mask, kv.batch, length)
         return self.starts[mask]
 
 

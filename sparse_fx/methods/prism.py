@@ -290,8 +290,11 @@ class Prism(Method):
 
 def pool_size(plan, kv) -> int:
     """A proposal's pool: rho x budget candidates, at most the cache's candidates (all but the sink
-    and local window), so that its cost follows the cache, not the plan."""
-    return min(plan.options.pool(plan.budget), kv.max_len - plan.window)
+    and local window), so that its cost follows the cache, not the plan. A number in the graph: a
+    cache shorter than the pool with the window (under 2 x budget + window at rho 2) has its length
+    fixed in its graph, a longer one shares the graph of every longer length."""
+    pool, candidates = plan.options.pool(plan.budget), kv.max_len - plan.window
+    return pool if pool <= candidates else int(candidates)
 
 
 class Static(Prism):
