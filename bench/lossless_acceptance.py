@@ -13,7 +13,7 @@ that logit (a tie within rounding is the only admissible cause). Budgets are 1/-
 context (sink and local window as given).
 
 With --timed (a GPU), one real end-to-end run per plan as well: `generate()` compiled (Inductor, CUDA
-graphs) in lossless mode at gamma --timed-gamma against the dense model's greedy decoding compiled
+graphs) in lossless mode at each of --timed-gammas (an int, or auto: the adaptive choice) against the dense model's greedy decoding compiled
 the same way, the median of --repeat warm calls each, on the first window of
 the longest context, at batch 1 and the batch given; the baseline is the `dense` plan compiled alike.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import statistics
 import time
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--timed", action="store_true", help="also time compiled end-to-end generate() (GPU)")
-    ap.add_argument("--timed-gamma", type=int, default=4)
+    ap.add_argument("--timed-gammas", default="4", help="draft lengths of the timed runs: ints, or auto (adaptive)")
     ap.add_argument("--timed-batch", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     benchlib.add_out(ap)
@@ -108,8 +109,9 @@ def end_to_end(model, tok, a) -> list[dict]:
                       eos_token_id=None)
         dense = sparse_fx.compile(copy.deepcopy(model), "dense")  # compiled, CUDA graphs, KV heads read by enable_gqa
         dense_s, want = _timed(lambda: dense.generate(ids, **kwargs), a.repeat)
-        for plan in a.plans.split(","):
-            m = sparse_fx.compile(copy.deepcopy(model), plan, speculate=a.timed_gamma, budget=n // a.sparsity,
+        for plan, gamma in itertools.product(a.plans.split(","), a.timed_gammas.split(",")):
+            gamma = gamma if gamma == "auto" else int(gamma)
+            m = sparse_fx.compile(copy.deepcopy(model), plan, speculate=gamma, budget=n // a.sparsity,
                                   sink=a.sink, local=a.local, min_context=0)
             seen = sparse_fx.acceptance(m)
             first = time.perf_counter()
@@ -118,10 +120,11 @@ def end_to_end(model, tok, a) -> list[dict]:
             first = time.perf_counter() - first
             seen.reset()
             spec_s, got = _timed(lambda: m.generate(ids, **kwargs), a.repeat)
-            row = dict(plan=plan, context=n, batch=batch, gamma=a.timed_gamma, new=a.new, dense_s=dense_s, lossless_s=spec_s,
+            row = dict(plan=plan, context=n, batch=batch, gamma=gamma, new=a.new, dense_s=dense_s, lossless_s=spec_s,
                        speedup=dense_s / spec_s, first_call_s=first, equal=bool(torch.equal(got, want)),
                        rate=seen.rate, per_draft=seen.per_draft, tokens_per_round=seen.tokens_per_round,
-                       draft_ms=1e3 * seen.draft_seconds / max(1, seen.rounds * a.timed_gamma),
+                       gammas=dict(seen.gammas),
+                       draft_ms=1e3 * seen.draft_seconds / max(1, sum(g * r for g, r in seen.gammas.items())),
                        verify_ms=1e3 * seen.verify_seconds / max(1, seen.rounds))
             out.append(row)
             print(json.dumps(row), flush=True)

@@ -199,7 +199,7 @@ def symbolic_length(cache, mask) -> None:
             continue  # (a sliding window's ring buffer has its window's length, whatever the cache's)
         torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
         torch._dynamo.maybe_mark_dynamic(layer.values, 2)
-        if hasattr(layer, "get_mask_sizes") and not getattr(type(layer), "_sparse_fx_symbolic", False):
+        if _builds_static_masks(type(layer)):
             layer.__class__ = _symbolic_layer_class(type(layer))
     length = max((layer.max_cache_len for layer in static_layers(cache) if not getattr(layer, "is_sliding", False)), default=None)
     for t in mask.values() if isinstance(mask, dict) else [mask]:
@@ -207,17 +207,22 @@ def symbolic_length(cache, mask) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 3)
 
 
+def _builds_static_masks(cls: type) -> bool:
+    """Whether a cache layer class sizes its masks as Hugging Face's StaticLayer does, (max_cache_len,
+    0), and is not yet our subclass (other layer kinds keep their own mask sizes)."""
+    from transformers.cache_utils import StaticLayer
+
+    return (issubclass(cls, StaticLayer) and getattr(cls, "get_mask_sizes", None) is StaticLayer.get_mask_sizes
+            and not getattr(cls, "_sparse_fx_symbolic", False))
+
+
 def _symbolic_layer_class(cls: type) -> type:
     name = f"Symbolic{cls.__name__}"
     sub = globals().get(name)
     if sub is None or sub.__bases__ != (cls,):
-        base = cls.get_mask_sizes
 
         def get_mask_sizes(self, *args, **kwargs):
-            length, offset = base(self, *args, **kwargs)
-            if length == self.max_cache_len and getattr(self, "is_initialized", False):
-                length = self.keys.shape[-2]
-            return length, offset
+            return self.keys.shape[-2], 0  # = (max_cache_len, 0), read from the tensor: no guard on the int
 
         sub = type(name, (cls,), {"get_mask_sizes": get_mask_sizes, "_sparse_fx_symbolic": True,
                                   "__module__": __name__, "__qualname__": name})
