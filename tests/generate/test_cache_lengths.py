@@ -63,3 +63,16 @@ def test_one_symbolic_inductor_graph_decodes_what_a_graph_per_length_decodes(pla
     for ids, tokens in zip(prompts, got):
         fixed = sparse_fx.compile(tiny_model("llama", layers=2), plan, backend="eager", **options)
         assert torch.equal(tokens, generate(fixed, ids, 6))
+
+
+def test_a_model_that_builds_its_own_mask_is_not_guarded_on_the_length():
+    """Called without a mask, the model sizes its mask by the cache layer (get_mask_sizes): the size
+    must come from the keys, not from the layer's int max_cache_len (a guard: a recompile per length)."""
+    model = sparse_fx.compile(tiny_model("llama", layers=2), "hash", backend="eager", **options_for("hash", **SMALL))
+    for n in (300, 600, 1000):
+        cache = StaticCache(config=model.config, max_cache_len=n)
+        ids = _prompt(40, n)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            model(ids[:, -1:], past_key_values=cache)
+    assert len(_decode_graphs(model)) == 1
