@@ -22,7 +22,7 @@ def _prompt(n: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("plan", ["hash", "prism-g2"])
+@pytest.mark.parametrize("plan", ["hash", pytest.param("prism-g2", marks=pytest.mark.slow)])
 def test_fifty_prompt_lengths_compile_one_decode_graph_per_range(plan):
     """Lengths 1..4000 (static caches of 256..4096 slots): one graph for caches the budget covers
     (dense, no side caches) and one for every longer cache; a second pass compiles nothing."""
@@ -50,7 +50,7 @@ def test_a_cache_the_budget_covers_and_a_longer_one_are_two_ranges():
     assert sparse_fx.explain(model).sparse_layers == [0, 1]
 
 
-@pytest.mark.parametrize("plan", ["hash", "prism-g2-int2refine"])
+@pytest.mark.parametrize("plan", ["hash", pytest.param("prism-g2-int2refine", marks=pytest.mark.slow)])
 def test_one_symbolic_inductor_graph_decodes_what_a_graph_per_length_decodes(plan, monkeypatch):
     """Through Inductor (the kernels traced with a symbolic length): three cache lengths, one graph,
     the tokens of graphs compiled for each length (the length fixed, as before)."""
