@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile lossless tests)
+STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile compile-once lossless tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -54,12 +54,17 @@ ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
 
-ABOUT[lossless]="~9 min: the verify step's attention against SDPA (one layer), then lossless mode against dense and the lossy plan, 16 layers of the 8B shape, 128K x 1 and 4, 64K x 8, 32K x 16"
+ABOUT[compile-once]="~5 min: one decode graph for every cache length (bench/cache_lengths.py, hash and prism-g4, batch 1), and the step against graphs with the length fixed at 32K and 128K"
+COMMANDS[compile-once]='
+  run python3 bench/cache_lengths.py --plans hash prism-g4 --lengths 32768,49152,98304,131072 --out "$out" 2>&1 | tail -12
+  run python3 bench/cache_lengths.py --plans hash --lengths 32768,131072 --static --out "$out/static" 2>&1 | tail -6'
+
+ABOUT[lossless]="~8 min: the verify step's attention against SDPA (one layer), then lossless mode (hash and prism-g4 drafts) against dense and the lossy plan, 16 layers of the 8B shape, 128K x 4 and 64K x 8"
 COMMANDS[lossless]='
   run python3 bench/verify_attention.py --out "$out" 2>&1 | tail -24
   acceptance=()
   [ -f bench/results/lossless-acceptance.json ] && acceptance=(--acceptance bench/results/lossless-acceptance.json)
-  run python3 bench/lossless_speed.py --shapes 131072x4,131072x1,65536x8,32768x16 --layers 16 --plans hash \
+  run python3 bench/lossless_speed.py --shapes 131072x4,65536x8 --layers 16 --plans hash,prism-g4 \
     "${acceptance[@]}" --out "$out" 2>&1 | tail -12'
 
 ABOUT[tests]="~9 min: tests/generate/test_gpu.py"

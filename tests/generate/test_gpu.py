@@ -159,6 +159,29 @@ def test_cuda_graphs_capture_decode_without_recompiles(plan):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("plan", ["hash", "prism-g2"])
+def test_one_cuda_graph_decode_graph_serves_every_cache_length(plan):
+    """The cache length symbolic under CUDA graphs: caches of three lengths decode through one compiled
+    graph (a recording per length, no recompile after the first), each as the graph compiled without
+    CUDA graphs decodes it."""
+    from transformers import StaticCache
+
+    base = model_on_gpu(torch.float32)
+    model = sparse_fx.compile(copy.deepcopy(base), plan, mode="reduce-overhead", **options_for(plan, **OPTIONS))
+    plain = sparse_fx.compile(copy.deepcopy(base), plan, mode="default", **options_for(plan, **OPTIONS))
+    ids = torch.randint(0, 256, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    for i, length in enumerate((320, 700, 1500)):
+        outs = []
+        for m in (model, plain):
+            cache = StaticCache(config=m.config, max_cache_len=length)
+            with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i > 0):
+                m(ids[:, :290], past_key_values=cache)
+                outs.append([m(ids[:, t : t + 1], past_key_values=cache).logits.float().clone() for t in range(290, 300)])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sum(1 for r in sparse_state(model).reports if r.decode) == 1
+
+
 def test_budget_covering_context_equals_dense_on_gpu():
     base = model_on_gpu(torch.float32)
     ids = torch.randint(0, 256, (2, 120), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
