@@ -52,7 +52,8 @@ def test_a_cache_the_budget_covers_and_a_longer_one_are_two_ranges():
 
 @pytest.mark.parametrize("plan", ["hash", pytest.param("prism-g2-int2refine", marks=pytest.mark.slow)])
 def test_one_symbolic_inductor_graph_decodes_what_a_graph_per_length_decodes(plan, monkeypatch):
-    """Through Inductor (the kernels traced with a symbolic length): three cache lengths, one graph,
+    """Through Inductor (on the CPU the ops' references, traced at a symbolic length; the Triton
+    launchers at a symbolic length run on a GPU: test_gpu.py): three cache lengths, one graph,
     the tokens of graphs compiled for each length (the length fixed, as before)."""
     options = options_for(plan, **SMALL)
     one = sparse_fx.compile(tiny_model("llama", layers=2), plan, **options)
