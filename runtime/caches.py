@@ -91,6 +91,7 @@ class SideCaches:
 
     tensors: dict[tuple[int, KVShape], dict[str, torch.Tensor]] = field(default_factory=dict)
     owners: dict[KVShape, weakref.ref] = field(default_factory=dict)
+    allocations: int = 0  # sets allocated so far: a change means other tensors (CompiledState's graph inputs)
 
     def layer(self, layer: int, kv: KVShape, specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
         """The layer's side-cache tensors for this KV shape, allocated (zeroed) on first use."""
@@ -98,8 +99,9 @@ class SideCaches:
         if key not in self.tensors:
             for old in [k for k in self.tensors if k[0] == layer]:
                 del self.tensors[old]  # one set a layer (module docstring)
-            self.owners = {shape: ref for shape, ref in self.owners.items()
-                           if any(shape == k[1] for k in self.tensors)}
+            held = {shape for _, shape in self.tensors}
+            self.owners = {shape: ref for shape, ref in self.owners.items() if shape in held}
+            self.allocations += 1
             lead = (kv.batch, kv.kv_heads, kv.max_len)
             self.tensors[key] = {name: _static(torch.zeros(*lead, *s.tail, dtype=s.dtype, device=kv.device))
                                  for name, s in specs.items()}

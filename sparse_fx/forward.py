@@ -193,15 +193,21 @@ def symbolic_length(cache, mask) -> None:
     """Make the static cache's length symbolic in the decode graph: one graph serves every length.
     Its keys and values vary in length (dim 2), a 4-D mask over the cache in its last dim, and a
     layer that builds the mask itself takes the length from its keys, not from the Python int
-    `max_cache_len` (which the graph would be specialised on)."""
+    `max_cache_len` (which the graph would be specialised on). Called every decode step: a layer's
+    tensors are marked once (the marks stay on them), the new step's mask each time."""
+    length = None
     for layer in static_layers(cache):
-        if not getattr(layer, "is_initialized", False) or getattr(layer, "is_sliding", False):
+        if getattr(layer, "is_sliding", False):
             continue  # (a sliding window's ring buffer has its window's length, whatever the cache's)
-        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+        length = max(length or 0, layer.max_cache_len)
+        keys = getattr(layer, "keys", None)
+        if not getattr(layer, "is_initialized", False) or getattr(keys, "_sparse_fx_symbolic", False):
+            continue
+        torch._dynamo.maybe_mark_dynamic(keys, 2)
         torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        keys._sparse_fx_symbolic = True
         if _builds_static_masks(type(layer)):
             layer.__class__ = _symbolic_layer_class(type(layer))
-    length = max((layer.max_cache_len for layer in static_layers(cache) if not getattr(layer, "is_sliding", False)), default=None)
     for t in mask.values() if isinstance(mask, dict) else [mask]:
         if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] == length:
             torch._dynamo.maybe_mark_dynamic(t, 3)
