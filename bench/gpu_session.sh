@@ -54,10 +54,12 @@ ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
 
-ABOUT[compile-once]="~5 min: one decode graph for every cache length (bench/cache_lengths.py, hash and prism-g4, batch 1), and the step against graphs with the length fixed at 32K and 128K"
+ABOUT[compile-once]="~8 min: one decode graph for every cache length (bench/cache_lengths.py, hash and prism-g4, batch 1; hash batch 4), the step against graphs with the length fixed at 32K and 128K, and the GPU test of it"
 COMMANDS[compile-once]='
   run python3 bench/cache_lengths.py --plans hash prism-g4 --lengths 32768,49152,98304,131072 --out "$out" 2>&1 | tail -12
-  run python3 bench/cache_lengths.py --plans hash --lengths 32768,131072 --static --out "$out/static" 2>&1 | tail -6'
+  run python3 bench/cache_lengths.py --plans hash --lengths 32768,131072 --batch 4 --out "$out/b4" 2>&1 | tail -6
+  run python3 bench/cache_lengths.py --plans hash --lengths 32768,131072 --static --out "$out/static" 2>&1 | tail -6
+  run python3 -P -m pytest -q tests/generate/test_gpu.py -k every_cache_length 2>&1 | tail -3'
 
 ABOUT[lossless]="~8 min: the verify step's attention against SDPA (one layer), then lossless mode (hash and prism-g4 drafts) against dense and the lossy plan, 16 layers of the 8B shape, 128K x 4 and 64K x 8"
 COMMANDS[lossless]='

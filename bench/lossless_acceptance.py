@@ -68,9 +68,10 @@ def main() -> None:
             ids = prompt[None].to(device)
             t0 = time.perf_counter()
             with torch.no_grad():
+                # Hugging Face's own one-token decode, uncompiled (on a GPU it would compile a graph per prompt length)
                 dense = model.generate(ids, max_new_tokens=a.new, do_sample=False, cache_implementation="static",
                                        pad_token_id=tok.eos_token_id, eos_token_id=None, output_logits=True,
-                                       return_dict_in_generate=True)
+                                       return_dict_in_generate=True, disable_compile=True)
             dense_s = time.perf_counter() - t0
             want = dense.sequences[0, n:]
             for plan in a.plans.split(","):

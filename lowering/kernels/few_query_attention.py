@@ -37,7 +37,7 @@ WAVES = 8  # programs per SM the split count aims for
 @triton.jit
 def _few_query_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-    sm_scale, Hkv, L, SPLIT_LEN, NSPLIT,
+    sm_scale, Hkv, L_UNITS, SPLIT_BLOCKS, NSPLIT,
     sqb, sqh, sqt, sqd,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
@@ -56,9 +56,14 @@ def _few_query_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_FOR: tl.constexpr,  # `for` loop (pipelined on GPU); a `while` under the interpreter
+    ALIGN: tl.constexpr,  # the cache length and the mask's batch / head / query strides are multiples of it
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
+    # Multiples of ALIGN by construction, so the compiler vectorises the mask's loads even where the
+    # launch sees a symbolic cache length (one graph for every length: no integer to specialise on)
+    L, smb, smh, smt = L_UNITS * ALIGN, smb * ALIGN, smh * ALIGN, smt * ALIGN
+    SPLIT_LEN = SPLIT_BLOCKS * BLOCK_N
     r, sp = tl.program_id(0), tl.program_id(1)
     b, h = row_of(r, Hkv)
     rows = tl.arange(0, ROWS_PAD)
@@ -156,18 +161,20 @@ def few_query_attention(q, k, v, scale=None, mask=None, *, block_n=None, warps=N
     splits, split_len = split_keys(L, block, R, waves or WAVES, max_splits, q.device)
     pm, pl, pacc = split_partials(R, splits, rows_pad, out)
     ma = MaskView(mask, Hkv, q)
+    # a guard, not a number, on a symbolic length: one graph for aligned lengths (what generate() allocates)
+    align = 16 if all(x % 16 == 0 for x in (L, ma.sb, ma.sh, ma.st)) else 1
     torch.library.wrap_triton(_few_query_kernel)[(R, splits)](
         q, k, v, ma.tensor, out, pm, pl, pacc,
-        sm_scale, Hkv, L, split_len, splits,
+        sm_scale, Hkv, L // align, split_len // block, splits,
         *q.stride(), *k.stride(), *v.stride(),
-        ma.sb, ma.sh, ma.st, ma.sl,
+        ma.sb // align, ma.sh // align, ma.st // align, ma.sl,
         *out.stride(),
         G=G, T=T, ROWS_PAD=rows_pad, D=D, DV=DV, BLOCK_N=block,
         HAS_MASK=ma.present, MASK_BOOL=ma.is_bool, MASK_HEADS=ma.heads,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=upcast_dot(q.dtype),
-        USE_FOR=not interpreting(),
+        USE_FOR=not interpreting(), ALIGN=align,
         num_warps=warps or (8 if fp32 else WARPS), num_stages=stages or STAGES,
         **pdl(q.device),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -81,6 +83,23 @@ def test_few_query_attention_launch_knobs_do_not_change_the_result(knobs):
     mask = verify_mask("min", B, Hkv * G, T, L, g)
     with poisoned():
         out = K.few_query_attention(q, k, v, None, mask, **knobs)
+    torch.testing.assert_close(out.cpu().double(), oracle(q, k, v, None, mask), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("L, mask_kind", [(704, "bool"), (704, "inf-head"), (700, "bool")])
+def test_few_query_attention_aligned_lengths_and_empty_splits(L, mask_kind, monkeypatch):
+    """A cache length and mask strides in multiples of 16 are read in units of 16 (ALIGN: what keeps
+    the mask's loads vectorised at a symbolic length), others as they are; and a symbolic length
+    launches a fixed split count (common.split_keys), so trailing splits may be empty: here two more."""
+    launcher = sys.modules[K.few_query_attention.__module__]
+    split_keys = launcher.split_keys
+    monkeypatch.setattr(launcher, "split_keys", lambda *a: (split_keys(*a)[0] + 2, split_keys(*a)[1]))
+    g = gen(L + len(mask_kind))
+    B, Hkv, G, T, D = 2, 2, 4, 5, 32
+    q, k, v = randn(B, Hkv * G, T, D, g=g), randn(B, Hkv, L, D, g=g), randn(B, Hkv, L, D, g=g)
+    mask = verify_mask(mask_kind, B, Hkv * G, T, L, g)
+    with poisoned():
+        out = K.few_query_attention(q, k, v, None, mask, waves=8)
     torch.testing.assert_close(out.cpu().double(), oracle(q, k, v, None, mask), **TOL[torch.float32])
 
 
