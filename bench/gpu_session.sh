@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile compile-once lossless tests)
+STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile compile-once lossless workload tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -68,6 +68,11 @@ COMMANDS[lossless]='
   [ -f bench/results/lossless-acceptance.json ] && acceptance=(--acceptance bench/results/lossless-acceptance.json)
   run python3 bench/lossless_speed.py --shapes 131072x4,65536x8 --layers 16 --plans hash,prism-g4 \
     "${acceptance[@]}" --out "$out" 2>&1 | tail -12'
+
+ABOUT[workload]="~9 min: a stream of 6 requests (8K-64K prompts, 64-256 new tokens) through generate() at batch 1: Hugging Face's static-cache compile, dense-gqa, hash; generate() per token against the tight loop"
+COMMANDS[workload]='
+  run python3 bench/workload.py --methods hf-static,dense-gqa,hash --requests 6 --max-context 65536 --new 64,256 \
+    --batches 1 --out "$out" 2>&1 | tail -14'
 
 ABOUT[tests]="~9 min: tests/generate/test_gpu.py"
 COMMANDS[tests]='

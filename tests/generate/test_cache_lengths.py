@@ -77,3 +77,20 @@ def test_a_model_that_builds_its_own_mask_is_not_guarded_on_the_length():
             model(ids, past_key_values=cache)
             model(ids[:, -1:], past_key_values=cache)
     assert len(_decode_graphs(model)) == 1
+
+
+def test_lossless_modes_draft_and_verify_graphs_serve_every_cache_length():
+    """speculate=: the draft graph (one query) and the verify graph (gamma + 1 queries) are compiled
+    once for growing prompt lengths too, and fresh caches of unseen lengths compile nothing."""
+    model = sparse_fx.compile(tiny_model("llama", layers=2, max_position_embeddings=8192), "hash", backend="eager",
+                              speculate=3, **options_for("hash", **SMALL))
+    counts = []
+    for i, n in enumerate((600, 1300, 2100, 3300)):  # caches of 768 .. 3584 slots, longer each time
+        generate(model, _prompt(n, i), 5)
+        counts.append(len(sparse_state(model).reports))
+    assert sparse_fx.acceptance(model).rounds > 0 and counts == counts[:1] * 4, counts
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, n in enumerate((900, 2500)):
+            cache = StaticCache(config=model.config, max_cache_len=n + 40)
+            with torch.no_grad():
+                model.generate(_prompt(n, i), max_new_tokens=5, do_sample=False, past_key_values=cache)
