@@ -27,14 +27,13 @@ import torch.distributed as dist
 import sparse_fx
 
 import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
-from benchlib.llama import LLAMA_8B, random_static_cache
+from benchlib.llama import LLAMA_8B, TINY, random_static_cache
 
 SHAPES = {
     "8b": LLAMA_8B,
     "70b": {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
             "num_attention_heads": 64, "num_key_value_heads": 8},
-    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False),
+    "tiny": TINY,
 }
 
 

@@ -18,6 +18,7 @@ method but hf-static, generate()'s time per new token at the longest prompt, (t(
 (`time_decode`: replays only): what generate() adds over the graph replay.
 
     python bench/workload.py --methods hf-static,dense-gqa,hash,prism-g4 --requests 16 --batches 1,4
+    python bench/workload.py --smoke   # CPU, a tiny Llama, the eager backend: checks it runs
 Writes <out>/workload.json and .md.
 """
 
@@ -36,7 +37,7 @@ from sparse_fx.forward import cache_bucket
 from torch._dynamo.utils import counters
 
 import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
-from benchlib.llama import LLAMA_8B, build_model, random_static_cache, time_decode
+from benchlib.llama import TINY, build_model, random_static_cache, time_decode
 
 
 def main() -> None:
@@ -52,9 +53,13 @@ def main() -> None:
     ap.add_argument("--per-token-new", type=int, default=64, help="new tokens of the per-token comparison")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, the tiny shape, the eager backend, short prompts: checks it runs")
     benchlib.add_out(ap)
     a = ap.parse_args()
-    model = build_model(a.layers)
+    if a.smoke:
+        a.min_context, a.max_context, a.new, a.requests, a.per_token_new, a.repeat, a.budget = 100, 900, "4,8", 3, 4, 1, 32
+    a.device = "cpu" if a.smoke else "cuda"
+    model = build_model(TINY["num_hidden_layers"], device="cpu", **TINY) if a.smoke else build_model(a.layers)
     original = model.forward
     streams = {b: stream(a, b) for b in (int(x) for x in a.batches.split(","))}
     rows, per_token = [], []
@@ -62,7 +67,7 @@ def main() -> None:
         for batch, requests in streams.items():
             prepare(model, original, method, a)
             try:
-                rows.append(run_stream(model, method, batch, requests))
+                rows.append(run_stream(model, method, batch, requests, a.device))
                 print(summary_line(rows[-1]), flush=True)
                 if method != "hf-static":
                     per_token.append(generate_vs_loop(model, method, batch, max(n for n, _ in requests), a))
@@ -71,6 +76,9 @@ def main() -> None:
                 rows.append(dict(method=method, batch=batch, error="does not fit in GPU memory"))
             finally:
                 reset(model, original)
+    if a.smoke:
+        assert all("error" not in r for r in rows) and len(per_token) == len(streams) * (len(a.methods.split(",")) - 1), rows
+        print("smoke ok")
     report = {"meta": benchlib.header(a), "streams": {str(b): s for b, s in streams.items()}, "rows": rows,
               "per_token": per_token}
     benchlib.save(a.out, "workload", report, markdown=markdown(report))
@@ -91,7 +99,8 @@ def prepare(model, original, method: str, a) -> None:
         model.generation_config.disable_compile = False
     else:
         plan = "dense" if method == "dense-gqa" else method
-        sparse_fx.compile(model, plan, mode="reduce-overhead", **({} if plan == "dense" else dict(budget=a.budget, min_context=0)))
+        compile_as = dict(backend="eager") if a.smoke else dict(mode="reduce-overhead")
+        sparse_fx.compile(model, plan, **compile_as, **({} if plan == "dense" else dict(budget=a.budget, min_context=0)))
 
 
 def reset(model, original) -> None:
@@ -99,27 +108,29 @@ def reset(model, original) -> None:
     model.forward = original
     torch._dynamo.reset()
     counters.clear()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def _generate(model, n: int, new: int, batch: int) -> float:
+def _generate(model, n: int, new: int, batch: int, device: str) -> float:
     """Seconds of one greedy generate() of `new` tokens after a random prompt of n tokens."""
-    ids = torch.randint(0, LLAMA_8B["vocab_size"], (batch, n), device="cuda")
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ids = torch.randint(0, model.config.vocab_size, (batch, n), device=device)
+    sync()
     t0 = time.perf_counter()
     with torch.no_grad():
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
                        pad_token_id=0)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
-def run_stream(model, method: str, batch: int, requests: list[tuple[int, int]]) -> dict:
+def run_stream(model, method: str, batch: int, requests: list[tuple[int, int]], device: str) -> dict:
     out = []
     start = time.perf_counter()
     for n, new in requests:
         frames = counters["stats"]["unique_graphs"]
-        seconds = _generate(model, n, new, batch)
+        seconds = _generate(model, n, new, batch, device)
         out.append(dict(context=n, new=new, seconds=seconds, compiled=counters["stats"]["unique_graphs"] > frames))
     total = time.perf_counter() - start
     return dict(method=method, batch=batch, stream_s=total, requests=out, tokens=batch * sum(new for _, new in requests),
@@ -129,11 +140,11 @@ def run_stream(model, method: str, batch: int, requests: list[tuple[int, int]]) 
 def generate_vs_loop(model, method: str, batch: int, n: int, a) -> dict:
     """generate()'s seconds per new token (warm) against the tight loop's step at the same cache."""
     new = a.per_token_new
-    _generate(model, n, new, batch)  # warm: graphs for this length recorded
-    full = statistics.median(_generate(model, n, new, batch) for _ in range(a.repeat))
-    one = statistics.median(_generate(model, n, 1, batch) for _ in range(a.repeat))
+    _generate(model, n, new, batch, a.device)  # warm: graphs for this length recorded
+    full = statistics.median(_generate(model, n, new, batch, a.device) for _ in range(a.repeat))
+    one = statistics.median(_generate(model, n, 1, batch, a.device) for _ in range(a.repeat))
     per_token = (full - one) / (new - 1)
-    cache = random_static_cache(model, batch, n, cache_bucket(n + new) - n)
+    cache = random_static_cache(model, batch, n, cache_bucket(n + new) - n, device=a.device)
     sparse_fx.attach_cache(model, cache)
     steps = [time_decode(model, cache, batch, new, 3)[0] for _ in range(a.repeat)]
     loop = statistics.median(steps)
@@ -148,7 +159,8 @@ def summary_line(row: dict) -> str:
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# A stream of requests through generate() ({meta['args']['layers']} layers of the 8B shape, {meta['gpu']})",
+    shape = "a tiny Llama" if meta["args"].get("smoke") else f"{meta['args']['layers']} layers of the 8B shape"
+    lines = [f"# A stream of requests through generate() ({shape}, {meta['gpu']})",
              "", f"`{meta['command']}` ({meta['date']})", "",
              "| method | batch | stream s | requests that compiled | their seconds | tokens / s (whole stream) |",
              "|---|---|---|---|---|---|"]

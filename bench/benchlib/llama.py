@@ -18,6 +18,11 @@ LLAMA_8B = dict(
 )
 
 
+# A Llama small enough for CPU smoke runs of the benches (same code paths, seconds not hours)
+TINY = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
 def build_model(layers: int, device="cuda", **shape):
     """The Llama-3.1-8B shape with `layers` layers (and any other `shape` overrides), random bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,23 +59,29 @@ def random_static_cache(model, batch: int, filled: int, room: int, device="cuda"
 
 def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[float, float, dict]:
     """(seconds per step, seconds of the first call, torch.compile's phases in it) over `steps`
-    timed single-token steps."""
-    vocab = LLAMA_8B["vocab_size"]
-    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+    timed single-token steps, on the cache's device (CUDA events there; the wall clock on a CPU)."""
+    device = cache.layers[0].keys.device
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ids = torch.randint(0, 128, (batch, 1), device=device)  # any tokens: the step's cost does not depend on them
     with torch.no_grad():
         before = compile_phases()
         t0 = time.perf_counter()
         forward(ids, past_key_values=cache, use_cache=True)
-        torch.cuda.synchronize()
+        sync()
         first = time.perf_counter() - t0
         phases = compile_phases(since=before)
         for _ in range(warmup - 1):
             forward(ids, past_key_values=cache, use_cache=True)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        sync()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
         for _ in range(steps):
             forward(ids, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        if not cuda:
+            return (time.perf_counter() - t0) / steps, first, phases
         end.record()
-        torch.cuda.synchronize()
+        sync()
     return start.elapsed_time(end) / 1e3 / steps, first, phases

@@ -94,10 +94,25 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def octave(n, up: bool = False) -> int:
+    """n itself, or, where n is symbolic (a count that follows the cache length of a graph serving every
+    length), the power of two at or below it (at or above it with `up`): launch sizes then guard the
+    length's octave, not its value, so a new length reuses the graph instead of compiling another."""
+    if isinstance(n, int):
+        return n
+    p = 1
+    while p * 2 <= n:  # each comparison a guard on a range of n
+        p *= 2
+    return p * 2 if up and p < n else p
+
+
 def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int = 4) -> int:
     """How many programs share one row so that rows * programs ~ `waves` x SMs (at least 1, at most
     one program per block): several programs per (batch, KV head) row keep 132 SMs busy at B*Hkv=8."""
-    return max(1, min(blocks, triton.cdiv(waves * num_sms(device), max(rows, 1))))
+    full = triton.cdiv(waves * num_sms(device), max(rows, 1))
+    if not isinstance(blocks, int):
+        full = 1 << (full.bit_length() - 1)  # a power of two: the octave at or below `full` is one range, not two
+    return full if blocks >= full else max(1, octave(blocks))
 
 
 def pow2(n: int) -> int:
@@ -286,10 +301,11 @@ def split_keys(length: int, block: int, rows: int, waves: int, max_splits: int, 
     """(splits, split length) of a split-K attention over `length` entries in blocks of `block`:
     about `waves` programs an SM over `rows` (batch, KV head) rows, at most `max_splits` a row."""
     blocks = triton.cdiv(length, block)
-    splits = max(1, min(max_splits, blocks, triton.cdiv(waves * num_sms(device), rows)))
+    cap = max(1, min(max_splits, triton.cdiv(waves * num_sms(device), rows)))
+    splits = cap if blocks >= cap else max(1, octave(blocks))
     split_len = triton.cdiv(blocks, splits) * block
     if not isinstance(length, int):  # a symbolic length: launch the fixed count (a trailing split may be empty), no guard on it
-        return int(splits), split_len
+        return splits, split_len
     return triton.cdiv(length, split_len), split_len
 
 

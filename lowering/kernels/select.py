@@ -47,7 +47,7 @@ from ..reference import WORD_BITS
 from .mass import group_mass, mass_logits, mass_scores_supported, row_stats
 from .common import (
     FLOAT_DTYPES, PACKED_RUN, count, counts_total, counts_zero, eligible, interpreting, mask_readable, MaskView,
-    on_kernel_device, pdl, pdl_enter, pow2, programs_per_row, row_chunk, row_of, slots_eligible,
+    octave, on_kernel_device, pdl, pdl_enter, pow2, programs_per_row, row_chunk, row_of, slots_eligible,
 )
 
 # `_row_select_kernel`, one program a row, walks its pool serially, so it pays only where rows alone
@@ -655,7 +655,7 @@ def plan_programs(R: int, N: int, device: torch.device, block: int, waves: int, 
     cap = cap or (WIDE_PROGS if level_bits == 8 else MAX_PROGS)
     blocks = triton.cdiv(max(N, 1), block)
     progs = max(min(MAX_PROGS, cap, programs_per_row(R, blocks, device, waves=waves)),
-                triton.cdiv(blocks, PACKED_RUN) if level_bits == 4 else 1)
+                octave(triton.cdiv(blocks, PACKED_RUN), up=True) if level_bits == 4 else 1)
     if progs > MAX_PROGS:
         raise ValueError(f"select: {N} candidates a row need more than {MAX_PROGS} programs of {block}-key blocks")
     return progs
@@ -869,7 +869,7 @@ def hash_levels(R: int, N: int, key_bits: int, block: int, waves: int, device: t
     if key_bits == 8:
         blocks = triton.cdiv(max(N, 1), block)
         need = triton.cdiv(blocks, HASH_ONE_LEVEL_BLOCKS)
-        cap = HASH_WIDE_CAP if need <= HASH_WIDE_CAP else min(need, HASH_STRETCH_CAP)
+        cap = HASH_WIDE_CAP if need <= HASH_WIDE_CAP else min(octave(need, up=True), HASH_STRETCH_CAP)
         if triton.cdiv(blocks, plan_programs(R, N, device, block, waves, 8, cap)) <= HASH_ONE_LEVEL_BLOCKS:
             return 8, cap
     return HASH_LEVEL_BITS, None

@@ -224,6 +224,12 @@ def decode_tp(out):
                            "bench/decode_tp.py", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+def workload(out):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "bench/workload.py", "--smoke", "--methods", "hf-static,hash", "--batches", "1",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
 def prism_pools(out):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.run([sys.executable, "bench/prism_pools.py", "--context", "1024", "--depths", "10", "--keys", "1",
@@ -250,6 +256,7 @@ SLOW = {  # test -> its command, in the order the tests run
     "test_the_bandwidth_reference_kernel_reads_and_copies_everything": bandwidth,
     "test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks": decode_tp,
     "test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass": prism_pools,
+    "test_workload_streams_requests_through_generate_and_times_every_method": workload,
     "test_teacher_agreement_merges_runs_cell_by_cell": agreement_merge,
 }
 
@@ -332,6 +339,19 @@ def test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass(ran):
     assert all(abs(v - 1) < 1e-6 for v in covering["per_layer"]), covering["per_layer"]
     narrow = next(x for x in rows if x["proposal"] == "int2" and x["rho"] == 2)
     assert narrow["mass_vs_oracle"] < covering["mass_vs_oracle"]
+
+
+def test_workload_streams_requests_through_generate_and_times_every_method(ran):
+    """bench/workload.py --smoke: a stream of growing prompts through generate() on a tiny Llama (CPU,
+    eager backend): every request timed, the sparse plan's decode graph compiled once for the stream,
+    generate()'s time per token beside the loop's step."""
+    r, out = ran
+    assert r.returncode == 0 and "smoke ok" in r.stdout, r.stderr[-3000:]
+    report = json.loads(next(out.glob("workload*.json")).read_text())
+    rows = {row["method"]: row for row in report["rows"]}
+    assert set(rows) == {"hf-static", "hash"} and all(len(row["requests"]) == 3 for row in rows.values())
+    assert rows["hash"]["compiles"] == 1, rows["hash"]["requests"]
+    assert [p["method"] for p in report["per_token"]] == ["hash"] and report["per_token"][0]["loop_step_ms"] > 0
 
 
 def test_teacher_agreement_merges_runs_cell_by_cell(ran):
