@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile compile-once lossless workload tests)
+STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile compile-once lossless lossless-b8 workload tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -61,13 +61,17 @@ COMMANDS[compile-once]='
   run python3 bench/cache_lengths.py --plans hash --lengths 32768,131072 --static --out "$out/static" 2>&1 | tail -6
   run python3 -P -m pytest -q tests/generate/test_gpu.py -k every_cache_length 2>&1 | tail -3'
 
-ABOUT[lossless]="~8 min: the verify step's attention against SDPA (one layer), then lossless mode (hash and prism-g4 drafts) against dense and the lossy plan, 16 layers of the 8B shape, 128K x 4 and 64K x 8"
+ABOUT[lossless]="~8 min: the verify step's attention against SDPA (one layer), then lossless mode (prism-g4 drafts, gamma 4 and 8) against dense and the lossy plan, 16 layers of the 8B shape, 32K / 64K / 128K x batch 1 and 4"
 COMMANDS[lossless]='
-  run python3 bench/verify_attention.py --out "$out" 2>&1 | tail -24
-  acceptance=()
-  [ -f bench/results/lossless-acceptance.json ] && acceptance=(--acceptance bench/results/lossless-acceptance.json)
-  run python3 bench/lossless_speed.py --shapes 131072x4,65536x8 --layers 16 --plans hash,prism-g4 \
-    "${acceptance[@]}" --out "$out" 2>&1 | tail -12'
+  run python3 bench/verify_attention.py --out "$out" 2>&1 | tail -8
+  run python3 bench/lossless_speed.py --shapes 131072x4,65536x4,32768x4,131072x1,65536x1,32768x1 --layers 16 \
+    --plans prism-g4 --gammas 4,8 --acceptance bench/results/lossless-acceptance-2026-12-07-cpu-fp32.json \
+    --out "$out" 2>&1 | tail -12'
+
+ABOUT[lossless-b8]="~8 min: lossless mode at batch 8 and 16 (prism-g4 and hash drafts, gamma 4): 64K x 8, 32K x 8, 32K x 16"
+COMMANDS[lossless-b8]='
+  run python3 bench/lossless_speed.py --shapes 65536x8,32768x8,32768x16 --layers 16 --plans prism-g4,hash \
+    --acceptance bench/results/lossless-acceptance-2026-12-07-cpu-fp32.json --out "$out" 2>&1 | tail -12'
 
 ABOUT[workload]="~9 min: a stream of 6 requests (8K-64K prompts, 64-256 new tokens) through generate() at batch 1: Hugging Face's static-cache compile, dense-gqa, hash; generate() per token against the tight loop"
 COMMANDS[workload]='
