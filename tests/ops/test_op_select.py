@@ -330,6 +330,46 @@ def test_hash_select_in_one_level_where_chunks_are_short(L, waves, levels):
     assert torch.equal(out, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 60, 8, 8))
 
 
+def _octaves_as_if_symbolic(monkeypatch):
+    """Launch sizes as a symbolic cache length gets them (common.octave, programs_per_row), on concrete lengths."""
+    import sparse_fx.lowering.kernels.common as common
+    import sparse_fx.lowering.kernels.select as select
+
+    def octave(n, up=False):
+        p = 1 << (int(n).bit_length() - 1)
+        return p * 2 if up and p < n else p
+
+    def programs_per_row(rows, blocks, device, waves=4):
+        full = 1 << ((-(-waves * common.num_sms(device) // max(rows, 1))).bit_length() - 1)
+        return full if blocks >= full else max(1, octave(blocks))
+
+    for module in (common, select):
+        monkeypatch.setattr(module, "octave", octave)
+        monkeypatch.setattr(module, "programs_per_row", programs_per_row)
+
+
+@pytest.mark.parametrize("L,waves", [(200, 8), (1056, 16)])
+def test_hash_select_at_launch_sizes_of_a_symbolic_length(L, waves, monkeypatch):
+    """A graph serving every cache length sizes launches by octaves of the length: fewer programs than
+    blocks (25 blocks over 16 programs), and the stretch cap rounded up (a need of 33 programs, 40
+    launched): the same selection as the reference."""
+    _octaves_as_if_symbolic(monkeypatch)
+    g = gen(47 + L)
+    pos = torch.tensor([L - 20], device=DEV)
+    q_logits = torch.randn(1, 4, 32, generator=g).to(DEV)
+    k_sig = torch.randint(-(2**31), 2**31 - 1, (1, 1, L, 1), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
+    with poisoned():
+        out = K.hash_select(q_logits, k_sig, pos, 60, 8, 8, block=8, waves=waves).cpu()
+    assert torch.equal(out, ref.hash_select(q_logits.cpu(), k_sig.cpu(), pos.cpu(), 60, 8, 8))
+
+
+def test_nested_select_at_launch_sizes_of_a_symbolic_length(monkeypatch):
+    _octaves_as_if_symbolic(monkeypatch)
+    g = gen(48)
+    scores = _scores("ties", 2, 2, 700, g).to(DEV)
+    check_nested(scores, torch.tensor([690, 695], device=DEV), 120, 40, 4, 16, make_mask("bool", 2, 4, 700, g, now=695))
+
+
 def test_rows_longer_than_a_packed_count():
     """16-bin radix levels count in 8-bit fields, one key per block and slot, so a program may own
     at most 255 blocks: a row of 264 blocks of 8 (261 holding candidates) held to one program per row
