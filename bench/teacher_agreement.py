@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--passkey-trials", type=int, default=0, help="pass-key trials per depth and cell (0: none)")
     ap.add_argument("--depths", default="10,25,50,75,90", help="pass-key depths, percent")
     ap.add_argument("--passkey-sparsity", default="", help="sparsities that get pass keys (default: all of --sparsity)")
+    ap.add_argument("--refresh", default="1", help="selections shared across steps: s = 1,2,4,... (a row per plan and s > 1, "
+                    "'<plan> refresh=<s>': a step reads the selection of the last step that was a multiple of s, plus its window)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--tag", default="", help="names the outputs agreement-<tag>.* (default: agreement.*)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the cells of these results into --out/agreement-<tag>.*")
@@ -66,13 +68,14 @@ def main() -> None:
     report = {"meta": benchlib.header(a), "runs": []}
     t0 = time.perf_counter()
     sparsities = [int(x) for x in a.sparsity.split(",")]
+    refresh = tuple(int(x) for x in a.refresh.split(","))
     keyed = [int(x) for x in a.passkey_sparsity.split(",")] if a.passkey_sparsity else sparsities
     for n in contexts:
         for sp in sparsities:
-            run = evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True)
+            run = evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True, refresh=refresh)
             if a.passkey_trials and sp in keyed:
                 run["passkey"] = passkey(model, tok, plans, n, sp, [int(d) for d in a.depths.split(",")], a.passkey_trials,
-                                         progress=True)
+                                         progress=True, refresh=refresh)
             report["runs"].append(run)
             report["seconds"] = time.perf_counter() - t0
             benchlib.save(a.out, stem, report, markdown=markdown(report))  # a run cut short keeps its cells

@@ -67,9 +67,17 @@ class Selector:
     its sink starts at its first real slot (the product's left-padding path). So scores, ties,
     sink, local window, Prism pools and mass cuts are the product's, on caches as long as the
     harness's. A Prism proposal layer's pool reaches later layers through `carry`, as in the
-    decode graph: call `begin` before each forward."""
+    decode graph: call `begin` before each forward.
 
-    def __init__(self, plan: Plan, model, budget: int):
+    refresh=s (a study for selections shared across decode steps): a position whose step is not a
+    multiple of s after the first scored one reads what the last such step selected, plus its own
+    sink and local window (which holds every token since, for s <= local)."""
+
+    def __init__(self, plan: Plan, model, budget: int, refresh: int = 1):
+        if not 1 <= refresh <= plan.local:
+            raise ValueError(f"refresh must be in 1..local ({plan.local}): a shared selection's local window must hold "
+                             f"every token since it was chosen (got {refresh})")
+        self.refresh = refresh
         # the state `compile` builds (roles, shipped role tables, encoders, checks), on a copy of the
         # model that shares its weights and is never run: `model` is left as it is
         self.state = sparse_state(compile(share_weights_copy(model), plan, budget=budget, backend="eager"))
@@ -97,7 +105,20 @@ class Selector:
             chunks = [self._rows(layer, q[b, :, lo : lo + step], padded, lo, E, scale, self.carry.setdefault((b, lo), {}))
                       for lo in range(0, E, step)]
             out.append(torch.cat(chunks, 1))
-        return torch.stack(out)
+        return self._shared(torch.stack(out), T)
+
+    def _shared(self, chosen: torch.Tensor, T: int) -> torch.Tensor:
+        """chosen [B, Hkv, E, T] with refresh s: row e takes row e - e % s's choice, and its own sink and window."""
+        E, s = chosen.shape[2], self.refresh
+        if s == 1:
+            return chosen
+        dev = chosen.device
+        e = torch.arange(E, device=dev)
+        now = (T - E + e)[:, None]  # row e's position
+        t = torch.arange(T, device=dev)[None]
+        plan = self.state.plan
+        window = (t < plan.sink) | ((t > now - plan.local) & (t <= now))
+        return chosen[:, :, e - e % s] | window
 
     def _side_cache(self, layer: int, k: torch.Tensor) -> dict[str, torch.Tensor]:
         """The layer's side cache (INT2 keys, signatures, or none) for the whole sequence, as the product writes it."""
@@ -171,9 +192,10 @@ def plans_of(names: list[str], encoders: list[str]) -> dict[str, Plan]:
     return plans
 
 
-def selectors(model, plans: dict, n: int, sparsity: int) -> dict[str, Selector]:
-    """A Selector per sparse plan at budget n // sparsity."""
-    return {name: Selector(p, model, max(1, n // sparsity)) for name, p in plans.items() if not p.dense}
+def selectors(model, plans: dict, n: int, sparsity: int, refresh: tuple[int, ...] = (1,)) -> dict[str, Selector]:
+    """A Selector per sparse plan at budget n // sparsity, and per refresh s > 1 one named "<plan> refresh=<s>"."""
+    return {name if s == 1 else f"{name} refresh={s}": Selector(p, model, max(1, n // sparsity), refresh=s)
+            for name, p in plans.items() if not p.dense for s in refresh}
 
 
 def forwards(model, ids: torch.Tensor, teacher: TeacherMask, sparse: dict):
@@ -196,13 +218,14 @@ def forwards(model, ids: torch.Tensor, teacher: TeacherMask, sparse: dict):
         model.config._attn_implementation = previous
 
 
-def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0, progress: bool = False) -> dict:
+def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0, progress: bool = False,
+             refresh: tuple[int, ...] = (1,)) -> dict:
     """One cell: per plan, agreement and CE delta vs dense over `windows` held-out windows' last
     `span` tokens, and the tokens its selections chose by score."""
     device = next(model.parameters()).device
     teacher = TeacherMask(span)
     ids = token_windows(tok, "heldout", n + 1, windows, seed=seed).to(device)
-    sparse = selectors(model, plans, n, sparsity)
+    sparse = selectors(model, plans, n, sparsity, refresh)
     rows = {name: {**{m: [] for m in METRICS}, "seconds": 0.0} for name in sparse}
     dense_ce = []
     for w in tqdm(ids, desc=f"context {n}, 1/{sparsity}", disable=not progress):
@@ -231,7 +254,7 @@ def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span:
 
 
 def passkey(model, tok, plans: dict, n: int, sparsity: int, depths: list[int], trials: int, offset: int = 1,
-            seed: int = 0, progress: bool = False) -> dict:
+            seed: int = 0, progress: bool = False, refresh: tuple[int, ...] = (1,)) -> dict:
     """Pass-key retrieval, teacher-forced: the harness's prompts and keys (`harness.passkey_key`), each
     followed by its key's tokens. From the prompt's last `offset` tokens on (the harness decodes those
     sparsely) every position attends to its selection; a plan finds the key when every next-token
@@ -239,7 +262,7 @@ def passkey(model, tok, plans: dict, n: int, sparsity: int, depths: list[int], t
     write the key first (the harness also counts a key written later in its answer). Dense is a row."""
     device = next(model.parameters()).device
     teacher = TeacherMask(1)
-    sparse = selectors(model, plans, n, sparsity)
+    sparse = selectors(model, plans, n, sparsity, refresh)
     found = {name: {d: [] for d in depths} for name in ["dense", *sparse]}
     for d in tqdm(depths, desc=f"passkey {n}, 1/{sparsity}", disable=not progress):
         for t in range(trials):

@@ -223,6 +223,28 @@ def test_one_pass_selection_is_the_decode_steps(smollm2, mlp_encoders, monkeypat
             assert torch.equal(got[:, e], want), (layer, e)
 
 
+@pytest.mark.parametrize("s", [3, 8])
+def test_a_shared_selection_is_the_last_refresh_steps_choice_plus_the_own_window(smollm2, s):
+    """refresh=s: row e reads row e - e % s's choice (refresh=1), plus its own sink and its own local
+    window (every token since that step), nothing else; the refresh rows themselves are unchanged."""
+    model, _ = smollm2
+    T, E, Hq, Hkv, D, sink, local = 300, 40, 9, 3, 64, 8, 8
+    plan = sparse_fx.Plan.parse("hash", sink=sink, local=local)
+    fresh, shared = agreement.Selector(plan, model, 16), agreement.Selector(plan, model, 16, refresh=s)
+    torch.manual_seed(s)
+    q, k = 4 * torch.randn(1, Hq, E, D), torch.randn(1, Hkv, T, D)
+    every, got = fresh.mask(0, q, k, D**-0.5)[0], shared.mask(0, q, k, D**-0.5)[0]
+    for e in range(E):
+        now = T - E + e
+        window = (torch.arange(T) < sink) | ((torch.arange(T) > now - local) & (torch.arange(T) <= now))
+        assert torch.equal(got[:, e], every[:, e - e % s] | window), e
+        assert not got[:, e, now + 1 :].any()
+    assert torch.equal(got[:, ::s], every[:, ::s])
+    assert not torch.equal(got, every)  # the test would pass vacuously if sharing changed nothing
+    with pytest.raises(ValueError, match="refresh must be in 1..local"):
+        agreement.Selector(plan, model, 16, refresh=local + 1)
+
+
 @pytest.mark.slow
 def test_one_pass_passkey_equals_the_harness(smollm2, reduced, monkeypatch):
     """sparse_fx.offline.agreement's teacher-forced pass key: a plan finds the key exactly when the
