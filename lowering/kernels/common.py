@@ -94,11 +94,16 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def symbolic(n) -> bool:
+    """Whether a size is a symbol of the graph being traced (a SymInt that follows the cache length), not a number."""
+    return not isinstance(n, int)
+
+
 def octave(n, up: bool = False) -> int:
     """n itself, or, where n is symbolic (a count that follows the cache length of a graph serving every
     length), the power of two at or below it (at or above it with `up`): launch sizes then guard the
     length's octave, not its value, so a new length reuses the graph instead of compiling another."""
-    if isinstance(n, int):
+    if not symbolic(n):
         return n
     p = 1
     while p * 2 <= n:  # each comparison a guard on a range of n
@@ -110,7 +115,7 @@ def programs_per_row(rows: int, blocks: int, device: torch.device, waves: int = 
     """How many programs share one row so that rows * programs ~ `waves` x SMs (at least 1, at most
     one program per block): several programs per (batch, KV head) row keep 132 SMs busy at B*Hkv=8."""
     full = triton.cdiv(waves * num_sms(device), max(rows, 1))
-    if not isinstance(blocks, int):
+    if symbolic(blocks):
         full = 1 << (full.bit_length() - 1)  # a power of two: the octave at or below `full` is one range, not two
     return full if blocks >= full else max(1, octave(blocks))
 
@@ -304,7 +309,7 @@ def split_keys(length: int, block: int, rows: int, waves: int, max_splits: int, 
     cap = max(1, min(max_splits, triton.cdiv(waves * num_sms(device), rows)))
     splits = cap if blocks >= cap else max(1, octave(blocks))
     split_len = triton.cdiv(blocks, splits) * block
-    if not isinstance(length, int):  # a symbolic length: launch the fixed count (a trailing split may be empty), no guard on it
+    if symbolic(length):  # a symbolic length: launch the fixed count (a trailing split may be empty), no guard on it
         return splits, split_len
     return triton.cdiv(length, split_len), split_len
 

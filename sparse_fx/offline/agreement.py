@@ -46,6 +46,7 @@ from transformers import AttentionInterface
 from .. import methods
 from ..api import compile, sparse_state
 from ..graph import EagerEmitter
+from ..lowering.reference import kept
 from ..methods import Site
 from ..plan import Plan
 from ..runtime.caches import KVShape
@@ -112,12 +113,9 @@ class Selector:
         E, s = chosen.shape[2], self.refresh
         if s == 1:
             return chosen
-        dev = chosen.device
-        e = torch.arange(E, device=dev)
-        now = (T - E + e)[:, None]  # row e's position
-        t = torch.arange(T, device=dev)[None]
+        e = torch.arange(E, device=chosen.device)
         plan = self.state.plan
-        window = (t < plan.sink) | ((t > now - plan.local) & (t <= now))
+        window = kept(torch.arange(T, device=chosen.device)[None], (T - E + e)[:, None], plan.sink, plan.local)  # row e's own
         return chosen[:, :, e - e % s] | window
 
     def _side_cache(self, layer: int, k: torch.Tensor) -> dict[str, torch.Tensor]:

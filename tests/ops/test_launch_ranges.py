@@ -90,7 +90,7 @@ def test_launchers_guard_octaves_of_the_cache_length_not_its_value(launch, B):
     assert len(opened) <= MOST, f"{launch.__name__} at batch {B} opens a graph at each of {opened}"
 
 
-def test_the_symbolic_launch_of_the_verify_attention_reads_aligned_units():
+def test_the_symbolic_launch_of_the_verify_attention_reads_aligned_units(monkeypatch):
     """At a symbolic length that is a multiple of 16, the verify kernel takes the length and the mask's
     strides in 16-slot units (the guard is on the residue); its split count is a number, not a symbol."""
     seen = {}
@@ -102,7 +102,7 @@ def test_the_symbolic_launch_of_the_verify_attention_reads_aligned_units():
                 seen.setdefault("align", kwargs.get("ALIGN"))
             return launch
 
-    torch.library.wrap_triton = lambda kernel: Recorded()  # as_on_a_gpu restores it after the test
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: Recorded())
     found, symbol = guards(verify, 4, 139264)
     assert seen["align"] == 16 and all(isinstance(x, int) for x in seen["grid"]), seen
     assert any(str(g) == f"Eq(Mod({symbol}, 16), 0)" for g in found), found

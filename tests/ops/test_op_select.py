@@ -333,19 +333,8 @@ def test_hash_select_in_one_level_where_chunks_are_short(L, waves, levels):
 def _octaves_as_if_symbolic(monkeypatch):
     """Launch sizes as a symbolic cache length gets them (common.octave, programs_per_row), on concrete lengths."""
     import sparse_fx.lowering.kernels.common as common
-    import sparse_fx.lowering.kernels.select as select
 
-    def octave(n, up=False):
-        p = 1 << (int(n).bit_length() - 1)
-        return p * 2 if up and p < n else p
-
-    def programs_per_row(rows, blocks, device, waves=4):
-        full = 1 << ((-(-waves * common.num_sms(device) // max(rows, 1))).bit_length() - 1)
-        return full if blocks >= full else max(1, octave(blocks))
-
-    for module in (common, select):
-        monkeypatch.setattr(module, "octave", octave)
-        monkeypatch.setattr(module, "programs_per_row", programs_per_row)
+    monkeypatch.setattr(common, "symbolic", lambda n: True)
 
 
 @pytest.mark.parametrize("L,waves", [(200, 8), (1056, 16)])
