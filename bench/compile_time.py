@@ -9,7 +9,14 @@ kernels Inductor defines in its code.
 
     python bench/compile_time.py --plans dense hash prism-g4 --layers 32
     python bench/compile_time.py --plans prism-g4 --fusion-window 64   # torch's default fusion search
+    python bench/compile_time.py --plans dense hash --restart         # cold, then two kinds of restart
     python bench/compile_time.py --one hash --layers 2 --small      # one plan, this process (the worker)
+
+`--restart` adds, per plan, two fresh processes after the cold one: one on the same on-disk caches
+(a restart on the same machine) and one on empty caches that loads the cold process's portable
+artifacts (`torch.compiler.save_cache_artifacts` / `load_cache_artifacts`: another machine). Each
+row gives `to_first_step_s`: from the compile call (the artifacts' load included) to the end of
+the first decode step, which is what a restarted server waits for beyond loading its weights.
 """
 
 from __future__ import annotations
@@ -52,8 +59,10 @@ def _counting():
     return counts
 
 
-def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None = None) -> dict:
+def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None = None,
+                save: str = "", load: str = "") -> dict:
     import torch
+    from torch._dynamo.utils import counters
 
     import sparse_fx
     from benchlib.llama import build_model, random_static_cache
@@ -67,6 +76,9 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     model = build_model(layers, dev, **(dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024) if small else {}))
     # compile time does not depend on the context; a fill past the budget keeps every stage live
     cache = random_static_cache(model, 1, 8192, 64, device=dev)
+    start = time.perf_counter()
+    if load:
+        torch.compiler.load_cache_artifacts(open(load, "rb").read())
     if plan == "dense":
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     else:
@@ -83,38 +95,62 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
             if dev == "cuda":
                 torch.cuda.synchronize()
             calls.append(time.perf_counter() - t0)
+            if not calls[1:]:
+                to_first_step = time.perf_counter() - start
+    if save:
+        open(save, "wb").write(torch.compiler.save_cache_artifacts()[0])
+    hits = {f"{k}_{n}": v for k in ("inductor", "aot_autograd") for n, v in counters[k].items()
+            if n.startswith(("fxgraph_cache", "autograd_cache"))}
     return {"plan": plan, "layers": layers, "device": dev, "fusion_window": backend.FUSION_PAIR_WINDOW,
-            "compile_s": calls[0] - calls[1],
-            "phases_s": benchlib.compile_phases(), **counts}
+            "compile_s": calls[0] - calls[1], "to_first_step_s": to_first_step, "step_s": calls[1],
+            "caches": hits, "phases_s": benchlib.compile_phases(), **counts}
 
 
-def run_fresh(plan: str, args) -> dict:
-    """measure_one in a child process with empty compile caches."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
-        cmd = [sys.executable, __file__, "--one", plan, "--layers", str(args.layers)] + (["--small"] if args.small else [])
-        cmd += ["--fusion-window", str(args.fusion_window)] if args.fusion_window else []
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+def run_fresh(plan: str, args, caches: str, start: str = "cold", save: str = "", load: str = "") -> dict:
+    """measure_one in a child process whose compile caches live under `caches`."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
+    cmd = [sys.executable, __file__, "--one", plan, "--layers", str(args.layers)] + (["--small"] if args.small else [])
+    cmd += ["--fusion-window", str(args.fusion_window)] if args.fusion_window else []
+    cmd += (["--save", save] if save else []) + (["--load", load] if load else [])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
-        return {"plan": plan, "layers": args.layers, "error": (r.stderr or r.stdout).strip().splitlines()[-1][:300]}
-    return json.loads(lines[-1])
+        return {"plan": plan, "layers": args.layers, "start": start,
+                "error": (r.stderr or r.stdout).strip().splitlines()[-1][:300]}
+    return {**json.loads(lines[-1]), "start": start}
+
+
+def runs_of(plan: str, args) -> list[dict]:
+    """A cold compile on empty caches; with --restart, then a restart on the same caches and one on
+    empty caches that loads the cold run's portable artifacts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = f"{tmp}/artifacts.bin"
+        rows = [run_fresh(plan, args, f"{tmp}/first", save=artifacts if args.restart else "")]
+        if args.restart and "error" not in rows[0]:
+            rows.append(run_fresh(plan, args, f"{tmp}/first", start="warm (same caches)"))
+            rows.append(run_fresh(plan, args, f"{tmp}/second", start="warm (portable artifacts)", load=artifacts))
+    return rows
 
 
 def table(rows: list[dict], meta: dict) -> str:
     out = [f"Cold compile of the decode graph, {benchlib.where(meta)}, `{meta['command']}`; seconds "
            "(phases overlap: the scheduler's and codegen's sit inside GraphLowering's caller)", "",
-           "| plan | layers | fusion window | compile s | " + " | ".join(benchlib.COMPILE_PHASES)
-           + " | scheduler nodes | after fusion | fusion pairs | our kernels |",
-           "|---|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 4)]
+           "| plan | start | layers | fusion window | to first step s | compile s | " + " | ".join(benchlib.COMPILE_PHASES)
+           + " | scheduler nodes | after fusion | fusion pairs | our kernels | graph cache |",
+           "|---|---|---|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 5)]
     for r in rows:
+        start = r.get("start", "cold")
         if "error" in r:
-            out.append(f"| {r['plan']} | {r['layers']} | | error: {r['error']} |")
+            out.append(f"| {r['plan']} | {start} | {r['layers']} | | error: {r['error']} |")
             continue
         ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in benchlib.COMPILE_PHASES)
         window = "torch's" if r["plan"] == "dense" else r.get("fusion_window", 64)
-        out.append(f"| {r['plan']} | {r['layers']} | {window} | {r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | "
-                   f"{r.get('fused_nodes', '-')} | {r['fusion_pairs_tried']} | {r['user_kernels_defined']} |")
+        caches = r.get("caches", {})
+        hit = "hit" if caches.get("inductor_fxgraph_cache_hit") and not caches.get("inductor_fxgraph_cache_miss") else "miss"
+        first = r.get("to_first_step_s")
+        out.append(f"| {r['plan']} | {start} | {r['layers']} | {window} | {'-' if first is None else f'{first:.1f}'} | "
+                   f"{r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | {r.get('fused_nodes', '-')} | "
+                   f"{r['fusion_pairs_tried']} | {r['user_kernels_defined']} | {hit} |")
     return "\n".join(out) + "\n"
 
 
@@ -125,16 +161,21 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a narrow model on the CPU (smoke runs)")
     p.add_argument("--fusion-window", type=int, help="Inductor's fusion pairs per buffer group for our compiles "
                    "(default: sparse_fx.backend.FUSION_PAIR_WINDOW; torch's own is 64)")
+    p.add_argument("--restart", action="store_true", help="after each cold compile, a restart on the same caches "
+                   "and one on empty caches from the portable artifacts")
     p.add_argument("--one", metavar="PLAN", help="measure one plan in this process and print its row (the worker)")
+    p.add_argument("--save", default="", help=argparse.SUPPRESS)  # the worker: write portable artifacts here
+    p.add_argument("--load", default="", help=argparse.SUPPRESS)  # the worker: load portable artifacts first
     benchlib.add_out(p)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window)), flush=True)
+        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window, a.save, a.load)), flush=True)
         return
     rows = []
     for plan in a.plans:
-        rows.append(run_fresh(plan, a))
-        print(json.dumps(rows[-1]), flush=True)
+        for row in runs_of(plan, a):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     meta = benchlib.header(a)
     stamp = time.strftime("%Y-%m-%d-%H%M")
     benchlib.save(a.out, f"compile-{stamp}", {"meta": meta, "rows": rows}, markdown=table(rows, meta), keep_others=True)

@@ -50,9 +50,9 @@ COMMANDS[short]='
       --repeat 2 --out "$out/min-context-$mc" 2>&1 | tail -6
   done'
 
-ABOUT[compile]="~6 min: cold compile time by phase (bench/compile_time.py)"
+ABOUT[compile]="~9 min: cold compile time by phase, then a restart on the same caches and one from the portable artifacts (bench/compile_time.py --restart)"
 COMMANDS[compile]='
-  run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --out "$out" 2>&1 | tail -6'
+  run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --restart --out "$out" 2>&1 | tail -12'
 
 ABOUT[compile-once]="~8 min: one decode graph for every cache length (bench/cache_lengths.py, hash and prism-g4, batch 1; hash batch 4), the step against graphs with the length fixed at 32K and 128K, and the GPU test of it"
 COMMANDS[compile-once]='

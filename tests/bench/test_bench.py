@@ -206,7 +206,7 @@ def kernel_tuning(out):
 
 def compile_time(out):
     return subprocess.run([sys.executable, "bench/compile_time.py", "--plans", "hash", "--layers", "1", "--small",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--restart", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
 def bandwidth(out):
@@ -301,14 +301,20 @@ def test_kernel_tuning_smoke_runs_every_sweep_and_check(ran):
 
 
 def test_compile_time_measures_a_cold_compile_in_a_fresh_process(ran):
-    """bench/compile_time.py on a narrow one-layer model on the CPU: the worker runs in a child
-    process with empty caches, and its row carries the phases and Inductor's counts."""
+    """bench/compile_time.py --restart on a narrow one-layer model on the CPU: the cold worker runs in
+    a child process with empty caches, and its row carries the phases and Inductor's counts; the two
+    restarts (same caches; empty caches and the portable artifacts) take the graph from the cache."""
     r, out = ran
     assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(next(out.glob("compile-*.json")).read_text())["rows"]
+    row, same, portable = json.loads(next(out.glob("compile-*.json")).read_text())["rows"]
     assert "error" not in row, row
     assert row["plan"] == "hash" and row["compile_s"] > 0 and row["scheduler_nodes"] >= row["fused_nodes"] > 0
     assert {"bytecode_tracing", "Scheduler.__init__"} <= set(row["phases_s"]), row["phases_s"]
+    assert row["caches"].get("inductor_fxgraph_cache_miss") == 1, row["caches"]
+    for warm in (same, portable):
+        assert warm["caches"].get("inductor_fxgraph_cache_hit") == 1 and warm["scheduler_nodes"] == 0, warm
+        assert not warm["caches"].get("inductor_fxgraph_cache_miss"), warm["caches"]
+    assert [w["start"] for w in (row, same, portable)] == ["cold", "warm (same caches)", "warm (portable artifacts)"]
 
 
 def test_the_bandwidth_reference_kernel_reads_and_copies_everything(ran):
