@@ -20,6 +20,13 @@ advances by the fewest drafts any row accepted, without holes (max_new_tokens + 
 Models with sliding-window or chunked layers are refused: their ring-buffer caches cannot take back
 a rejected draft.
 
+The host reads a round's outcome (accepted counts, to emit tokens and check stops) once, at its end.
+The next round's first draft depends only on device state (the verifier's token, positions, the cache
+slot), so it is launched before that read whenever a next round will be needed unless rows stop early
+(some live row has more than gamma + 1 tokens left) and no logits processor reads the history: the GPU drafts while the
+host books the round, instead of idling through it. A row that stops at EOS then leaves one draft
+step computed for nothing, and "auto" chooses that round's gamma before seeing the last round's count.
+
 gamma="auto" chooses gamma in `AUTO_GAMMAS` before each round to maximise expected tokens per second:
 tokens per row and round E = (1 - a^(g+1)) / (1 - a) for a per-draft acceptance a (estimated over
 the last `WINDOW` rounds as accepted / (accepted + rejections), prior 0.75), over time g * t_draft +
@@ -259,6 +266,7 @@ class _Rounds:
         self.other_stops = [c for c in stopping if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
         self.stopping = stopping
         self.eos = gen._eos_token_tensor
+        self.eos_ids = set(self.eos.reshape(-1).tolist()) if self.eos is not None else set()
         self.pad = gen._pad_token_tensor
         self.sample = bool(gen.do_sample)
         self.ids = ids
@@ -272,9 +280,13 @@ class _Rounds:
         self.device = ids.device
 
     # ------------------------------------------------------------------ the model calls
-    def _set_length(self, n: int) -> None:
+    def _set_length(self, n: int | torch.Tensor) -> None:
+        """Every layer's filled length: a host int, or a device scalar (copied without a host read)."""
         for layer in self.cache.layers:
-            layer.cumulative_length.fill_(n)
+            if isinstance(n, torch.Tensor):
+                layer.cumulative_length.copy_(n)
+            else:
+                layer.cumulative_length.fill_(n)
 
     def _mask(self, q: int) -> object:
         """The 4D masks of q new tokens at the cache's current length (as generate makes them for a
@@ -299,7 +311,7 @@ class _Rounds:
         return out.logits.to(torch.float32, copy=True)
 
     # ------------------------------------------------------------------ scores
-    def _scores(self, logits: torch.Tensor, history: list[list[torch.Tensor]], start: int) -> torch.Tensor:
+    def _scores(self, logits: torch.Tensor, history: list[list[int]], start: int) -> torch.Tensor:
         """The processed scores of logits [B, T, V]: position t of row b follows the prompt, the row's
         emitted tokens and the round's drafts self.tokens[b, 1 : start + t + 1]."""
         if not len(self.processors):
@@ -310,8 +322,9 @@ class _Rounds:
             return self.processors(torch.zeros(B * T, 1, dtype=torch.long, device=self.device), flat).reshape(B, T, V)
         out = torch.empty_like(logits)
         for b in range(B):
+            emitted = torch.tensor(history[b], dtype=torch.long, device=self.device)
             for t in range(T):
-                seq = torch.cat([self.ids[b], *history[b], self.tokens[b, 1 : start + t + 1]])[None]
+                seq = torch.cat([self.ids[b], emitted, self.tokens[b, 1 : start + t + 1]])[None]
                 out[b, t] = self.processors(seq, logits[b, t][None])[0]
         return out
 
@@ -325,8 +338,8 @@ class _Rounds:
     # ------------------------------------------------------------------ the loop
     def run(self):
         B, P, dev = self.batch, self.prompt, self.device
-        chooser = self.owner.chooser
         L = self.cache.layers[0].max_cache_len
+        self.cols = torch.arange(L, device=dev)
         self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
         self.valid[:, :P] = self.mask2d
         positions = (self.mask2d.long().cumsum(-1) - 1).clamp(min=0)
@@ -335,54 +348,107 @@ class _Rounds:
             raise ValueError(f"sparse_fx: the cache already holds {held} tokens, the whole prompt of {P}: nothing to prefill")
         out = self.model.forward.prefill(input_ids=self.ids[:, held:], attention_mask=self.mask2d.long(), position_ids=positions[:, held:],
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1, **self.kwargs)
-        history: list[list[torch.Tensor]] = [[] for _ in range(B)]  # emitted tokens per row
+        history: list[list[int]] = [[] for _ in range(B)]  # emitted tokens per row
         self.tokens = torch.zeros(B, 0, dtype=torch.long, device=dev)
         last, _ = self._choose(self._scores(out.logits[:, -1:].float(), history, 0)[:, 0])
         pos = self.mask2d.long().sum(-1)  # each row's position of `last`
-        done = self._emit(history, last[:, None], torch.ones(B, dtype=torch.long, device=dev), [False] * B)
+        done = self._emit(history, [[t] for t in last.tolist()], [1] * B, [False] * B)
         slot, uneven = P, self.owner.acceptance.uneven
+        slot_t = torch.tensor(P, device=dev)  # `slot` on the device, which the next round's launch reads
         start = time.perf_counter()
+        begun = None  # a round whose first draft was launched before the last round's read
         while not all(done):
-            g = min(chooser.next(), L - slot - 1)
-            if g < 1:
-                raise RuntimeError(f"sparse_fx: lossless mode ran out of cache slots ({L}); report this")
-            compiles = len(self.model.forward.state.reports)
-            self.valid[:, slot : slot + g + 1] = True
-            self._set_length(slot)
-            timer = _Timer(dev)
-            drafts, qs = [], []
-            self.tokens, tok = last[:, None], last
-            for i in range(g):
-                logits = self._call(tok[:, None], (pos + i)[:, None], verify=False)[:, -1:]
-                tok, q = self._choose(self._scores(logits, history, i)[:, 0])
-                drafts.append(tok)
-                qs.append(q)
-                self.tokens = torch.cat([self.tokens, tok[:, None]], 1)
+            if begun is None:
+                g = min(self.owner.chooser.next(), L - slot - 1)
+                if g < 1:
+                    raise RuntimeError(f"sparse_fx: lossless mode ran out of cache slots ({L}); report this")
+                begun = self._begin(g, slot_t, last, pos, history)
+            g, drafts, qs, timer, compiles, tok = begun
+            for i in range(1, g):
+                tok = self._draft(tok, pos + i, history, i, drafts, qs)
             timer.mark()
-            self._set_length(slot)
+            self._set_length(slot_t)
             logits = self._call(self.tokens, pos[:, None] + torch.arange(g + 1, device=dev), verify=True)
             n, fix = self._accept(self._scores(logits, history, 0), torch.stack(drafts, 1), qs)
             timer.mark()
-            live = torch.tensor([not x for x in done], device=dev)
+            live = self._to_device([not x for x in done])
             keep = torch.where(live, n, g).amin().expand(B) if self.policy == "min" else n
             d = self.tokens[:, 1:]
             nxt = torch.where(keep < n, d.gather(1, keep.clamp(max=g - 1)[:, None])[:, 0], fix)
             new = torch.cat([d, d[:, :1]], 1).scatter(1, keep[:, None], nxt[:, None])  # the kept drafts, then nxt
             # a row's slots after its kept tokens are holes its mask hides from now on
-            self.valid[:, slot : slot + g + 1] = torch.arange(g + 1, device=dev) <= keep[:, None]
-            accepted, kept = n.tolist(), keep.tolist()  # the round's device-to-host reads
+            window = (self.cols >= slot_t) & (self.cols <= slot_t + g)
+            self.valid = torch.where(window, self.cols - slot_t <= keep[:, None], self.valid)
+            pos = pos + keep + 1
+            last = nxt
+            slot_t = slot_t + torch.where(live, keep, -1).amax() + 1
+            read = self._to_host(torch.cat([n[:, None], keep[:, None], new], 1))  # the round's outcome
+            # The next round's first draft reads only device state: launch it before this round's
+            # device-to-host read, so the GPU drafts while the host books this round (module docstring)
+            begun = None
+            g_next = min(self.owner.chooser.next(), L - (slot + g + 1) - 1)  # slot + g + 1 >= the next slot
+            if g_next >= 1 and self.stateless and self._continues(history, done, g):
+                begun = self._begin(g_next, slot_t, last, pos, history)
+            outcome = read()
+            accepted, kept = [r[0] for r in outcome], [r[1] for r in outcome]
             rows = [b for b in range(B) if not done[b]]
             self._count(g, [accepted[b] for b in rows], [kept[b] for b in rows], timer,
                         compiled=len(self.model.forward.state.reports) != compiles)
-            done = self._emit(history, new, keep + 1, done, counted=True)
-            pos = pos + keep + 1
-            last = nxt
+            done = self._emit(history, [r[2:] for r in outcome], [k + 1 for k in kept], done, counted=True)
             slot += max(kept[b] for b in rows) + 1
         self.owner.acceptance.seconds += time.perf_counter() - start
         self._set_length(slot)
         if self.owner.acceptance.uneven > uneven and self.policy == "rows":
             self.cache._sparse_fx_holes = True
         return self._result(history)
+
+    def _begin(self, g: int, slot_t: torch.Tensor, last: torch.Tensor, pos: torch.Tensor, history):
+        """Open a round of g drafts at cache slot slot_t (a device scalar) and launch its first draft:
+        (g, drafts, their distributions, the round's timer, the compile count before it, the draft)."""
+        compiles = len(self.model.forward.state.reports)
+        self.valid = self.valid | ((self.cols >= slot_t) & (self.cols <= slot_t + g))
+        self._set_length(slot_t)
+        timer = _Timer(self.device)
+        self.tokens = last[:, None]
+        drafts, qs = [], []
+        tok = self._draft(last, pos, history, 0, drafts, qs)
+        return g, drafts, qs, timer, compiles, tok
+
+    def _draft(self, tok: torch.Tensor, positions: torch.Tensor, history, i: int, drafts: list, qs: list) -> torch.Tensor:
+        """The round's draft i: one step of the sparse graph after token tok [B] (self.tokens' last)."""
+        logits = self._call(tok[:, None], positions[:, None], verify=False)[:, -1:]
+        tok, q = self._choose(self._scores(logits, history, i)[:, 0])
+        drafts.append(tok)
+        qs.append(q)
+        self.tokens = torch.cat([self.tokens, tok[:, None]], 1)
+        return tok
+
+    def _to_device(self, values: list) -> torch.Tensor:
+        """A small host list on the device, without waiting for the work queued there (pinned memory)."""
+        cuda = self.device.type == "cuda"
+        return torch.tensor(values, pin_memory=cuda).to(self.device, non_blocking=cuda)
+
+    def _to_host(self, t: torch.Tensor):
+        """Start copying t to the host; returns a function that waits for that copy only (not for work
+        queued after it) and gives its rows as lists."""
+        if self.device.type != "cuda":
+            return t.tolist
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list:
+            copied.synchronize()
+            return host.tolist()
+
+        return read
+
+    def _continues(self, history, done: list[bool], g: int) -> bool:
+        """Whether a round after the current one is certain unless a row stops early (EOS or another
+        criterion): some live row has more than the current round's g + 1 tokens left to emit."""
+        return any(self.max_length - self.prompt - len(history[b]) > g + 1
+                   for b in range(self.batch) if not done[b])
 
     def _count(self, g: int, accepted: list[int], kept: list[int], timer: _Timer, compiled: bool) -> None:
         """Record a round (live rows only) in the acceptance counts and the adaptive gamma's history: per
@@ -425,43 +491,38 @@ class _Rounds:
         residual = torch.where(total > 0, residual / total.clamp(min=1e-30), rest)  # p == q there: sample p
         return n, torch.multinomial(residual, 1)[:, 0]
 
-    def _emit(self, history, new: torch.Tensor, count: torch.Tensor, done: list[bool], counted: bool = False) -> list[bool]:
-        """Append each live row's first count[b] tokens of new [B, T], stopping it at EOS, at
-        max_length or at another stopping criterion (a round's tokens are counted as emitted); the
-        rows' done flags after."""
-        counts = count.tolist()
-        rows = new.tolist()
-        eos = set(self.eos.reshape(-1).tolist()) if self.eos is not None else set()
+    def _emit(self, history: list[list[int]], new: list[list[int]], counts: list[int], done: list[bool],
+              counted: bool = False) -> list[bool]:
+        """Append each live row's first counts[b] tokens of new[b], stopping it at EOS, at max_length
+        or at another stopping criterion (a round's tokens are counted as emitted); the rows' done
+        flags after. Host lists only: no device read here."""
         after = list(done)
         for b in range(self.batch):
             if done[b]:
                 continue
-            have = sum(len(h) for h in history[b])
             take = []
-            for t in rows[b][: counts[b]]:
+            for t in new[b][: counts[b]]:
                 take.append(t)
-                if t in eos or self.prompt + have + len(take) >= self.max_length or self._stops(b, history[b], take):
+                if (t in self.eos_ids or self.prompt + len(history[b]) + len(take) >= self.max_length
+                        or self._stops(b, history[b] + take)):
                     after[b] = True
                     break
-            history[b].append(torch.tensor(take, dtype=torch.long, device=self.device))
+            history[b].extend(take)
             self.owner.acceptance.emitted += len(take) if counted else 0
         return after
 
-    def _stops(self, b: int, history, take) -> bool:
+    def _stops(self, b: int, emitted: list[int]) -> bool:
         if not self.other_stops:
             return False
-        seq = torch.cat([self.ids[b], *history, torch.tensor(take, dtype=torch.long, device=self.device)])[None]
+        seq = torch.cat([self.ids[b], torch.tensor(emitted, dtype=torch.long, device=self.device)])[None]
         scores = torch.zeros(1, 1, device=self.device)
         return any(bool(c(seq, scores).any()) for c in self.other_stops)
 
-    def _result(self, history):
+    def _result(self, history: list[list[int]]):
         pad = int(self.pad) if self.pad is not None else (int(self.eos.reshape(-1)[0]) if self.eos is not None else 0)
-        rows = [torch.cat([h for h in hs]) if hs else torch.zeros(0, dtype=torch.long, device=self.device) for hs in history]
-        width = max(len(r) for r in rows)
-        new = torch.full((self.batch, width), pad, dtype=torch.long, device=self.device)
-        for b, r in enumerate(rows):
-            new[b, : len(r)] = r
-        sequences = torch.cat([self.ids, new], 1)
+        width = max(len(h) for h in history)
+        new = torch.tensor([h + [pad] * (width - len(h)) for h in history], dtype=torch.long).reshape(self.batch, width)
+        sequences = torch.cat([self.ids, new.to(self.device)], 1)
         if self.return_dict:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 

@@ -151,6 +151,44 @@ def test_processors_that_read_the_history_see_each_positions_own():
     assert torch.equal(_generate(lossless, ids, 24, **opts), _generate(dense, ids, 24, **opts))
 
 
+def _order_of_calls(monkeypatch, model, ids, n, **opts):
+    """The lossless loop's model calls and its end-of-round reads, in order: "d" a draft step, "v" a
+    verify step, "r" a round booked after its device-to-host read."""
+    from sparse_fx import speculate
+
+    seen = []
+    call, count = speculate._Rounds._call, speculate._Rounds._count
+
+    def _call(self, tokens, positions, verify):
+        seen.append("v" if verify else "d")
+        return call(self, tokens, positions, verify)
+
+    def _count(self, *args, **kwargs):
+        seen.append("r")
+        return count(self, *args, **kwargs)
+
+    monkeypatch.setattr(speculate._Rounds, "_call", _call)
+    monkeypatch.setattr(speculate._Rounds, "_count", _count)
+    _generate(model, ids, n, **opts)
+    return "".join(seen)
+
+
+def test_the_next_rounds_first_draft_is_launched_before_the_rounds_read(monkeypatch):
+    """Greedy: a round after which more rounds are needed (the first three of 30 tokens at gamma 4 emit
+    at most 15) launches the next round's first draft before its read, so the GPU drafts while the host
+    books it, and the tokens stay the dense model's; the last round launches none. A processor that
+    reads the history needs the round's tokens first: there the read comes before the next draft."""
+    dense = tiny_model("llama", layers=4)
+    _, lossless = _pair("hash", 4)
+    ids = torch.randint(1, 128, (2, 45), generator=torch.Generator().manual_seed(3))
+    order = _order_of_calls(monkeypatch, lossless, ids, 30)
+    rounds = order.split("r")[:-1]
+    assert len(rounds) >= 4 and all(r.endswith("vd") for r in rounds[:3]) and rounds[-1].endswith("v"), order
+    assert torch.equal(_generate(lossless, ids, 30), _generate(dense, ids, 30))
+    order = _order_of_calls(monkeypatch, lossless, ids, 30, repetition_penalty=1.3)
+    assert "vd" not in order and order.count("vr") == order.count("r"), order
+
+
 # ---------------------------------------------------------------- sampling: the dense distribution
 
 
