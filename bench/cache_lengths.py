@@ -17,7 +17,6 @@ Writes <out>/cache-lengths.json and .md.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -54,10 +53,9 @@ def main() -> None:
             cache = random_static_cache(model, a.batch, n, sparse_fx.forward.cache_bucket(n + 256) - n)
             sparse_fx.attach_cache(model, cache)
             t0 = time.perf_counter()
-            step, first, _ = time_decode(model, cache, a.batch, a.steps, 3)
-            steps = [step] + [time_decode(model, cache, a.batch, a.steps, 1)[0] for _ in range(a.repeat - 1)]
+            timed = time_decode(model, cache, a.batch, a.steps, 3, windows=a.repeat)
             row = dict(plan=plan, context=n, cache_len=cache.layers[0].keys.shape[2], batch=a.batch,
-                       first_call_s=first, step_ms=statistics.median(steps) * 1e3, steps_ms=[s * 1e3 for s in steps],
+                       first_call_s=timed.first, step_ms=timed.step * 1e3, steps_ms=[s * 1e3 for s in timed.windows],
                        graphs=sum(1 for r in state.reports if r.decode),
                        sparse_layers=len(sparse_fx.explain(model).sparse_layers), wall_s=time.perf_counter() - t0)
             rows.append(row)

@@ -120,7 +120,7 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
     try:
         if method == "hf-default":
             cache = random_dynamic_cache(model, batch, n)
-            step, first, _ = time_decode(model.forward, cache, batch, max(4, args.steps // 8), 1)
+            step, first = time_decode(model.forward, cache, batch, max(4, args.steps // 8), 1, windows=1)[:2]
             row["compile_s"] = 0.0
         else:
             cache = random_static_cache(model, batch, n, args.room)
@@ -131,7 +131,10 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
                                   min_context=args.min_context)
                 sparse_fx.attach_cache(model, cache)
                 forward = model.forward
-            step, first, phases = time_decode(forward, cache, batch, args.steps, args.warmup)
+            timed = time_decode(forward, cache, batch, args.steps, args.warmup)
+            step, first, phases = timed.step, timed.first, timed.phases
+            row["windows_step_ms"] = [w * 1e3 for w in timed.windows]
+            row["settling_step_ms"] = [w * 1e3 for w in timed.settling]
             row["compile_s"] = first - step
             # what of the first call torch.compile took (the rest: the first run of the compiled code)
             row["compile_phases_s"] = phases

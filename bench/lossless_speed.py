@@ -116,8 +116,9 @@ def dense_row(model, original, n: int, batch: int, a) -> dict:
     try:
         cache = random_static_cache(model, batch, n, 256)
         forward = torch.compile(original, mode="reduce-overhead", fullgraph=True)
-        step, first, _ = time_decode(forward, cache, batch, a.steps, 3)
-        row.update(step_ms=step * 1e3, tokens_per_s=batch / step, compile_s=first - step)
+        timed = time_decode(forward, cache, batch, a.steps, 3)
+        row.update(step_ms=timed.step * 1e3, tokens_per_s=batch / timed.step, compile_s=timed.first - timed.step,
+                   windows_step_ms=[w * 1e3 for w in timed.windows], settling_step_ms=[w * 1e3 for w in timed.settling])
     except torch.OutOfMemoryError:
         row["error"] = "does not fit in GPU memory"
     finally:

@@ -39,7 +39,8 @@ def profile_method(model, original_forward, method: str, args) -> dict:
             sparse_fx.compile(model, method, budget=args.budget, sink=args.sink, local=args.local, min_context=0)
             sparse_fx.attach_cache(model, cache)
             forward = model.forward
-        step, first, _ = time_decode(forward, cache, args.batch, args.steps, 3)
+        timed = time_decode(forward, cache, args.batch, args.steps, 3)
+        step, first = timed.step, timed.first
         ids = torch.randint(0, model.config.vocab_size, (args.batch, 1), device="cuda")
         with torch.no_grad():
             kernels = benchlib.kernel_times(lambda: forward(ids, past_key_values=cache, use_cache=True), reps=args.steps)

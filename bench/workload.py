@@ -146,8 +146,7 @@ def generate_vs_loop(model, method: str, batch: int, n: int, a) -> dict:
     per_token = (full - one) / (new - 1)
     cache = random_static_cache(model, batch, n, cache_bucket(n + new) - n, device=a.device)
     sparse_fx.attach_cache(model, cache)
-    steps = [time_decode(model, cache, batch, new, 3)[0] for _ in range(a.repeat)]
-    loop = statistics.median(steps)
+    loop = time_decode(model, cache, batch, new, 3, windows=a.repeat).step
     return dict(method=method, batch=batch, context=n, generate_ms_per_token=per_token * 1e3, loop_step_ms=loop * 1e3,
                 overhead=per_token / loop - 1)
 

@@ -5,7 +5,9 @@ baseline's attention, and the time of its decode steps."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -57,13 +59,44 @@ def random_static_cache(model, batch: int, filled: int, room: int, device="cuda"
     return cache
 
 
-def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[float, float, dict]:
-    """(seconds per step, seconds of the first call, torch.compile's phases in it) over `steps`
-    timed single-token steps, on the cache's device (CUDA events there; the wall clock on a CPU)."""
+SETTLE = 0.01  # warm-up windows go on until two in a row agree this closely (relative)
+MAX_SETTLE = 5  # ... or this many have run
+
+
+class Decoded(NamedTuple):
+    """What `time_decode` measured."""
+
+    step: float  # seconds a step: the median of the timed windows
+    first: float  # seconds of the first call (a compile included)
+    phases: dict  # torch.compile's phases in the first call
+    windows: list  # seconds a step in each timed window
+    settling: list  # seconds a step in each warm-up window, until two in a row agreed
+
+
+def time_decode(forward, cache, batch: int, steps: int, warmup: int, windows: int = 3) -> Decoded:
+    """Single-token decode steps on the cache's device (CUDA events there; the wall clock on a CPU):
+    the first call, `warmup - 1` more, then windows of `steps` steps until two in a row agree within
+    SETTLE (the first timed window after a compile used to run 5% slow at batch 1: bench/NOTES.md),
+    then `windows` timed windows, whose median is the step."""
     device = cache.layers[0].keys.device
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     ids = torch.randint(0, 128, (batch, 1), device=device)  # any tokens: the step's cost does not depend on them
+
+    def window() -> float:
+        sync()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            forward(ids, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        if not cuda:
+            return (time.perf_counter() - t0) / steps
+        end.record()
+        sync()
+        return start.elapsed_time(end) / 1e3 / steps
+
     with torch.no_grad():
         before = compile_phases()
         t0 = time.perf_counter()
@@ -73,15 +106,10 @@ def time_decode(forward, cache, batch: int, steps: int, warmup: int) -> tuple[fl
         phases = compile_phases(since=before)
         for _ in range(warmup - 1):
             forward(ids, past_key_values=cache, use_cache=True)
-        sync()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            forward(ids, past_key_values=cache, use_cache=True).logits.argmax(-1)
-        if not cuda:
-            return (time.perf_counter() - t0) / steps, first, phases
-        end.record()
-        sync()
-    return start.elapsed_time(end) / 1e3 / steps, first, phases
+        settling = [window()]
+        while len(settling) < MAX_SETTLE:
+            settling.append(window())
+            if abs(settling[-1] - settling[-2]) <= SETTLE * settling[-2]:
+                break
+        timed = [window() for _ in range(windows)]
+    return Decoded(statistics.median(timed), first, phases, timed, settling)

@@ -442,3 +442,34 @@ def test_kernel_times_keep_whole_names_and_add_up_one_kernels_events():
               Event(key="cudaLaunchKernel", device_time_total=0.0, count=12)]
     assert benchlib.per_kernel(events, reps=3) == {prefix + "_a": (10.0, 2), prefix + "_b": (20.0, 1),
                                                    "_sparse_attn_kernel": (4.0, 2)}
+
+
+def test_decode_timing_warms_up_until_two_windows_agree_and_takes_the_median_of_the_timed_ones(monkeypatch):
+    """time_decode on a CPU stand-in whose steps take 3 ms through its first window, then 1 ms (a
+    transient after a compile): the settling windows run until two in a row agree, and the step is the
+    median of the windows timed after them; a step time that never settles stops at MAX_SETTLE."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from benchlib import llama
+
+    steps, warm_calls = 10, 3  # warm_calls: the first call and two more before the windows
+    clock = {"t": 0.0, "steps": 0}
+    monkeypatch.setattr(llama.time, "perf_counter", lambda: clock["t"])
+
+    def run(cost):
+        clock.update(t=0.0, steps=0)
+
+        def forward(ids, past_key_values=None, use_cache=True):
+            clock["steps"] += 1
+            clock["t"] += cost((clock["steps"] - warm_calls - 1) // steps)  # by window; warm calls: -1
+            return SimpleNamespace(logits=torch.zeros(1, 1, 4))
+
+        cache = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1))])
+        return llama.time_decode(forward, cache, 1, steps, warm_calls, windows=3)
+
+    timed = run(lambda window: 3e-3 if window < 1 else 1e-3)
+    assert [round(w * 1e3, 6) for w in timed.settling] == [3.0, 1.0, 1.0], timed.settling
+    assert timed.step == pytest.approx(1e-3) and len(timed.windows) == 3 and timed.first == pytest.approx(3e-3)
+    timed = run(lambda window: 1e-3 * (1 + window % 2))  # 1, 2, 1, 2 ms ...
+    assert len(timed.settling) == llama.MAX_SETTLE and len(timed.windows) == 3
