@@ -10,6 +10,7 @@ kernels Inductor defines in its code.
     python bench/compile_time.py --plans dense hash prism-g4 --layers 32
     python bench/compile_time.py --plans prism-g4 --fusion-window 64   # torch's default fusion search
     python bench/compile_time.py --plans dense hash --restart         # cold, then two kinds of restart
+    python bench/compile_time.py --plans prism-g4 --restart --static-launcher  # Inductor's static launcher on
     python bench/compile_time.py --one hash --layers 2 --small      # one plan, this process (the worker)
 
 `--restart` adds, per plan, two fresh processes after the cold one: one on the same on-disk caches
@@ -60,7 +61,7 @@ def _counting():
 
 
 def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None = None,
-                save: str = "", load: str = "") -> dict:
+                save: str = "", load: str = "", static_launcher: bool = False) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
@@ -70,6 +71,7 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
 
     if fusion_window:  # A/B of the fusion search's window (the plan's own compile only)
         backend.FUSION_PAIR_WINDOW = fusion_window
+    backend.STATIC_LAUNCHER = static_launcher  # A/B of Inductor's static launcher (the plan's own compile only)
 
     dev = "cuda" if torch.cuda.is_available() and not small else "cpu"
     # small: 32 heads of 32, a narrow model of the same depth
@@ -102,6 +104,7 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     hits = {f"{k}_{n}": v for k in ("inductor", "aot_autograd") for n, v in counters[k].items()
             if n.startswith(("fxgraph_cache", "autograd_cache"))}
     return {"plan": plan, "layers": layers, "device": dev, "fusion_window": backend.FUSION_PAIR_WINDOW,
+            "static_launcher": static_launcher,
             "compile_s": calls[0] - calls[1], "to_first_step_s": to_first_step, "step_s": calls[1],
             "caches": hits, "phases_s": benchlib.compile_phases(), **counts}
 
@@ -111,6 +114,7 @@ def run_fresh(plan: str, args, caches: str, start: str = "cold", save: str = "",
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
     cmd = [sys.executable, __file__, "--one", plan, "--layers", str(args.layers)] + (["--small"] if args.small else [])
     cmd += ["--fusion-window", str(args.fusion_window)] if args.fusion_window else []
+    cmd += ["--static-launcher"] if args.static_launcher else []
     cmd += (["--save", save] if save else []) + (["--load", load] if load else [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -145,6 +149,7 @@ def table(rows: list[dict], meta: dict) -> str:
             continue
         ph = " | ".join(f"{r['phases_s'].get(k, float('nan')):.1f}" for k in benchlib.COMPILE_PHASES)
         window = "torch's" if r["plan"] == "dense" else r.get("fusion_window", 64)
+        window = f"{window}, static launcher" if r.get("static_launcher") else window
         caches = r.get("caches", {})
         hit = "hit" if caches.get("inductor_fxgraph_cache_hit") and not caches.get("inductor_fxgraph_cache_miss") else "miss"
         first = r.get("to_first_step_s")
@@ -161,6 +166,8 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a narrow model on the CPU (smoke runs)")
     p.add_argument("--fusion-window", type=int, help="Inductor's fusion pairs per buffer group for our compiles "
                    "(default: sparse_fx.backend.FUSION_PAIR_WINDOW; torch's own is 64)")
+    p.add_argument("--static-launcher", action="store_true", help="Inductor's static CUDA launcher for its own "
+                   "kernels in the plan's graph (sparse_fx.backend.STATIC_LAUNCHER; off by default)")
     p.add_argument("--restart", action="store_true", help="after each cold compile, a restart on the same caches "
                    "and one on empty caches from the portable artifacts")
     p.add_argument("--one", metavar="PLAN", help="measure one plan in this process and print its row (the worker)")
@@ -169,7 +176,8 @@ def main() -> None:
     benchlib.add_out(p)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window, a.save, a.load)), flush=True)
+        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window, a.save, a.load, a.static_launcher)),
+              flush=True)
         return
     rows = []
     for plan in a.plans:

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile compile-once lossless lossless-b8 workload tests)
+STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile static-launcher compile-once lossless lossless-b8 workload tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -53,6 +53,11 @@ COMMANDS[short]='
 ABOUT[compile]="~9 min: cold compile time by phase, then a restart on the same caches and one from the portable artifacts (bench/compile_time.py --restart)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --restart --out "$out" 2>&1 | tail -12'
+
+ABOUT[static-launcher]="~8 min: Inductor's static CUDA launcher on (sparse_fx.backend.STATIC_LAUNCHER): the CUDA-graph tests under it, then prism-g4's cold compile and restarts with it"
+COMMANDS[static-launcher]='
+  run python3 -P -c "import sys, pytest, sparse_fx.backend as b; b.STATIC_LAUNCHER = True; sys.exit(pytest.main([\"-q\", \"-x\", \"tests/generate/test_gpu.py\", \"-k\", \"inductor or graphs or lossless\"]))" 2>&1 | tail -4
+  run python3 bench/compile_time.py --plans prism-g4 --layers 32 --restart --static-launcher --out "$out" 2>&1 | tail -6'
 
 ABOUT[compile-once]="~8 min: one decode graph for every cache length (bench/cache_lengths.py, hash and prism-g4, batch 1; hash batch 4), the step against graphs with the length fixed at 32K and 128K, and the GPU test of it"
 COMMANDS[compile-once]='

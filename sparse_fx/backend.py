@@ -11,6 +11,11 @@ from .compiled import CompiledState
 from .rewrite import rewrite
 
 FUSION_PAIR_WINDOW = 8  # Inductor's max_fusion_buffer_group_pairwise_attempts for our compiles (torch's: 64)
+# Inductor's static CUDA launcher for its own kernels in our graphs (ours use Triton's launcher either
+# way). Off since a SIGSEGV under CUDA-graph recording on torch 2.11 (2026-11-29), seen while the
+# graphs also read freed memory (fixed since); with it off, loading a cached graph builds a Triton
+# launcher per kernel: ~10 s of a 32-layer restart. `bench/compile_time.py --static-launcher` A/Bs it.
+STATIC_LAUNCHER = False
 
 
 def sparse_backend(state: CompiledState):
@@ -43,9 +48,7 @@ def sparse_backend(state: CompiledState):
             # counts the nodes left after fusion: the same either way).
             patches["max_fusion_buffer_group_pairwise_attempts"] = FUSION_PAIR_WINDOW
         if hasattr(inductor_config, "use_static_cuda_launcher"):
-            # torch 2.11's static launcher crashed (SIGSEGV) launching a kernel of our graphs while
-            # CUDA graph trees recorded it; Triton's own launcher does not
-            patches["use_static_cuda_launcher"] = False
+            patches["use_static_cuda_launcher"] = STATIC_LAUNCHER
         if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
             patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                            **_cacheable_functions(gm)}
