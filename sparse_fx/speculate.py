@@ -21,11 +21,12 @@ Models with sliding-window or chunked layers are refused: their ring-buffer cach
 a rejected draft.
 
 The host reads a round's outcome (accepted counts, to emit tokens and check stops) once, at its end.
-The next round's first draft depends only on device state (the verifier's token, positions, the cache
-slot), so it is launched before that read whenever a next round will be needed unless rows stop early
-(some live row has more than gamma + 1 tokens left) and no logits processor reads the history: the GPU drafts while the
-host books the round, instead of idling through it. A row that stops at EOS then leaves one draft
-step computed for nothing, and "auto" chooses that round's gamma before seeing the last round's count.
+The next round's first draft depends only on device state (the verifier's token, positions, the
+cache slot), so it is launched before that read whenever a next round is needed unless rows stop
+early (some live row has more than gamma + 1 tokens left) and no logits processor reads the
+history: the GPU drafts while the host books the round instead of idling through it. A row that
+stops at EOS then leaves one draft step computed for nothing, and "auto" chooses that round's gamma
+before seeing the last round's count.
 
 gamma="auto" chooses gamma in `AUTO_GAMMAS` before each round to maximise expected tokens per second:
 tokens per row and round E = (1 - a^(g+1)) / (1 - a) for a per-draft acceptance a (estimated over
