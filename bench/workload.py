@@ -15,7 +15,9 @@ turn on a fresh model: --requests prompts of random tokens, their lengths drawn 
 Per request: wall seconds and whether a graph was compiled (Dynamo's frame count moved). Then, per
 method but hf-static, generate()'s time per new token at the longest prompt, (t(N new) - t(1 new))
 / (N - 1) of warm calls, beside the tight loop's step on the same compiled forward and cache length
-(`time_decode`: replays only): what generate() adds over the graph replay.
+(`time_decode`: replays only): what generate() adds over the graph replay. On a GPU also with
+transformers' `DeferredStopCheck` forced on (it reads the stop flag one step late instead of every
+step; transformers enables it on `mps` only): whether that per-step read is what generate() adds.
 
     python bench/workload.py --methods hf-static,dense-gqa,hash,prism-g4 --requests 16 --batches 1,4
     python bench/workload.py --smoke   # CPU, a tiny Llama, the eager backend: checks it runs
@@ -25,6 +27,7 @@ Writes <out>/workload.json and .md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import statistics
@@ -137,18 +140,50 @@ def run_stream(model, method: str, batch: int, requests: list[tuple[int, int]], 
                 compiles=sum(r["compiled"] for r in out), compile_heavy_s=sum(r["seconds"] for r in out if r["compiled"]))
 
 
+@contextlib.contextmanager
+def deferred_stop_check():
+    """transformers' DeferredStopCheck wherever its other conditions hold (as on `mps`), for the A/B;
+    yields whether this transformers has it."""
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:
+        yield False
+        return
+    real = DeferredStopCheck.__dict__["is_supported"]
+
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        return real.__func__(torch.device("mps"), cache, cache_is_returned, is_assistant)
+
+    DeferredStopCheck.is_supported = staticmethod(is_supported)
+    try:
+        yield True
+    finally:
+        DeferredStopCheck.is_supported = real
+
+
+def per_new_token(model, n: int, batch: int, a) -> float:
+    """generate()'s seconds per new token, warm: (t(N new) - t(1 new)) / (N - 1), medians of --repeat."""
+    new = a.per_token_new
+    full = statistics.median(_generate(model, n, new, batch, a.device) for _ in range(a.repeat))
+    one = statistics.median(_generate(model, n, 1, batch, a.device) for _ in range(a.repeat))
+    return (full - one) / (new - 1)
+
+
 def generate_vs_loop(model, method: str, batch: int, n: int, a) -> dict:
     """generate()'s seconds per new token (warm) against the tight loop's step at the same cache."""
     new = a.per_token_new
     _generate(model, n, new, batch, a.device)  # warm: graphs for this length recorded
-    full = statistics.median(_generate(model, n, new, batch, a.device) for _ in range(a.repeat))
-    one = statistics.median(_generate(model, n, 1, batch, a.device) for _ in range(a.repeat))
-    per_token = (full - one) / (new - 1)
+    per_token = per_new_token(model, n, batch, a)
+    deferred = None
+    if a.device == "cuda":  # the deferred check records events, which the CPU has not
+        with deferred_stop_check() as available:
+            deferred = per_new_token(model, n, batch, a) if available else None
     cache = random_static_cache(model, batch, n, cache_bucket(n + new) - n, device=a.device)
     sparse_fx.attach_cache(model, cache)
     loop = time_decode(model, cache, batch, new, 3, windows=a.repeat).step
     return dict(method=method, batch=batch, context=n, generate_ms_per_token=per_token * 1e3, loop_step_ms=loop * 1e3,
-                overhead=per_token / loop - 1)
+                overhead=per_token / loop - 1, deferred_ms_per_token=None if deferred is None else deferred * 1e3,
+                deferred_overhead=None if deferred is None else deferred / loop - 1)
 
 
 def summary_line(row: dict) -> str:
@@ -170,10 +205,13 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['method']} | {r['batch']} | {r['stream_s']:.1f} | {r['compiles']} of {len(r['requests'])} | "
                      f"{r['compile_heavy_s']:.1f} | {r['tokens'] / r['stream_s']:.1f} |")
     lines += ["", "generate() per new token (warm) against the tight loop's step, same compiled forward and cache length:", "",
-              "| method | batch | context | generate() ms / token | loop step ms | generate() adds |", "|---|---|---|---|---|---|"]
+              "| method | batch | context | generate() ms / token | loop step ms | generate() adds | "
+              "with the deferred stop check |", "|---|---|---|---|---|---|---|"]
     for p in report["per_token"]:
+        deferred = "-" if p.get("deferred_ms_per_token") is None else \
+            f"{p['deferred_ms_per_token']:.2f} ms ({100 * p['deferred_overhead']:+.1f}%)"
         lines.append(f"| {p['method']} | {p['batch']} | {p['context']} | {p['generate_ms_per_token']:.2f} | "
-                     f"{p['loop_step_ms']:.2f} | {100 * p['overhead']:+.1f}% |")
+                     f"{p['loop_step_ms']:.2f} | {100 * p['overhead']:+.1f}% | {deferred} |")
     return "\n".join(lines) + "\n"
 
 

@@ -473,3 +473,24 @@ def test_decode_timing_warms_up_until_two_windows_agree_and_takes_the_median_of_
     assert timed.step == pytest.approx(1e-3) and len(timed.windows) == 3 and timed.first == pytest.approx(3e-3)
     timed = run(lambda window: 1e-3 * (1 + window % 2))  # 1, 2, 1, 2 ms ...
     assert len(timed.settling) == llama.MAX_SETTLE and len(timed.windows) == 3
+
+
+def test_the_workload_bench_forces_transformers_deferred_stop_check_and_puts_it_back():
+    """bench/workload.py's A/B of generate()'s per-step stop read: inside the context transformers'
+    DeferredStopCheck accepts a CUDA device (as it does `mps`), keeping its other conditions (a cache
+    that is returned must be croppable); outside, it is transformers' own again."""
+    import torch
+    from transformers.generation.utils import DeferredStopCheck
+
+    sys.path.insert(0, str(BENCH))
+    import workload
+
+    cuda, cropless = torch.device("cuda"), SimpleNamespace(is_croppable=False)
+    own = DeferredStopCheck.__dict__["is_supported"]
+    assert not DeferredStopCheck.is_supported(cuda, None, False, False)
+    with workload.deferred_stop_check() as available:
+        assert available
+        assert DeferredStopCheck.is_supported(cuda, None, False, False)
+        assert not DeferredStopCheck.is_supported(cuda, cropless, True, False)
+        assert not DeferredStopCheck.is_supported(cuda, None, False, True)  # an assistant model: never
+    assert DeferredStopCheck.__dict__["is_supported"] is own and not DeferredStopCheck.is_supported(cuda, None, False, False)
