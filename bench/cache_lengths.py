@@ -6,7 +6,10 @@ On the Llama-3.1-8B shape (random bf16 weights, `--layers` of them), per plan: c
 first length, then decode on caches of each further length in turn. Per length: the first decode
 call's wall time (the compile at the first length; afterwards a recording, or a recompile where the
 graph was specialised), the decode step (median of --repeat windows of --steps steps, CUDA-graph
-replays), and the graphs compiled so far. `--static` runs the same with the length fixed in the
+replays), the graphs compiled so far, and the GPU memory the process holds once that length's cache
+is freed, beyond what it held before the plan's first graph: the recordings' share (CUDA graph trees
+record every length into one memory pool, so this should grow by each graph's own structures, not by
+a step's intermediates per length). `--static` runs the same with the length fixed in the
 graph (the behaviour before: every new length compiles), for the A/B of the step time.
 
     python bench/cache_lengths.py --plans dense hash prism-g4 --lengths 32768,40960,65536,98304,131072 --batch 1
@@ -44,6 +47,8 @@ def main() -> None:
         sparse_fx.forward.symbolic_length = lambda cache, mask: None
     model = build_model(a.layers)
     original = model.forward
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
     rows = []
     for plan in a.plans:
         model.forward = original
@@ -59,11 +64,14 @@ def main() -> None:
                        graphs=sum(1 for r in state.reports if r.decode),
                        sparse_layers=len(sparse_fx.explain(model).sparse_layers), wall_s=time.perf_counter() - t0)
             rows.append(row)
-            print(row, flush=True)
             cache = None
             torch.cuda.empty_cache()
+            row["held_gib"] = (torch.cuda.memory_reserved() - before) / 2**30
+            print(row, flush=True)
         sparse_fx.api.restore(model)
         torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
     report = {"meta": benchlib.header(a), "rows": rows}
     benchlib.save(a.out, "cache-lengths", report, markdown=markdown(report))
     print(markdown(report))
@@ -74,11 +82,11 @@ def markdown(report: dict) -> str:
     lines = [f"# A new static-cache length ({meta['gpu']}, {meta['args']['layers']} layers of the 8B shape, batch "
              f"{meta['args']['batch']}{', length fixed in each graph' if meta['args']['static'] else ''})", "",
              f"`{meta['command']}` ({meta['date']})", "",
-             "| plan | context | cache length | first decode call s | step ms | graphs so far | sparse layers |",
-             "|---|---|---|---|---|---|---|"]
+             "| plan | context | cache length | first decode call s | step ms | graphs so far | sparse layers | held GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['plan']} | {r['context']} | {r['cache_len']} | {r['first_call_s']:.2f} | {r['step_ms']:.3f} | "
-                     f"{r['graphs']} | {r['sparse_layers']} |")
+                     f"{r['graphs']} | {r['sparse_layers']} | {r.get('held_gib', float('nan')):.2f} |")
     return "\n".join(lines) + "\n"
 
 
