@@ -23,7 +23,10 @@ The step of NL distinct layers (so replays do not find the previous layer's data
 captured in a CUDA graph and replayed (median of windows). Per kernel: device time from the
 profiler, the bytes it must move by the model below, achieved bandwidth and its share of a
 copy by the SMs (bytes read + written, benchlib.bandwidth_gbps) measured in the same run; the whole step against the floor of its bytes;
-launches per layer. `--short` adds a cache filled only to budget + sink + local. Random keys and
+launches per layer. `--dense-in-step` adds each plan's ratio against dense attention as it runs inside
+the compiled decode step (read from `bench/profile_step.py` results of the same card and shape: the
+standalone SDPA call here runs a few percent slower than it does in the step, which flatters us).
+`--short` adds a cache filled only to budget + sink + local. Random keys and
 queries attend almost uniformly; `--sharpness` scales the queries (logits' spread) so that an
 adaptive budget has something to trim (3.25: 0.95 of a random 16K pool's mass in ~85% of a
 4096 budget, as SmolLM2 kept at 2K, 1/8).
@@ -31,6 +34,7 @@ adaptive budget has something to trim (3.25: 0.95 of a random 16K pool's mass in
     python bench/kernel_step.py --out DIR             # H200: about 4 minutes
     python bench/kernel_step.py --contexts 32768 --batches 1
     python bench/kernel_step.py --contexts 131072 --plans prism-g4 prism-g4-mass0.95 --sharpness 3.25
+    python bench/kernel_step.py --contexts 131072 --batches 1 --dense-in-step bench/results/profile-step-2026-12-06-b1.json
     python bench/kernel_step.py --smoke                # CPU, TRITON_INTERPRET=1, tiny shapes, prints only
 """
 
@@ -39,10 +43,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import benchlib  # bench/benchlib/: a script's own folder is sys.path[0]
 
@@ -64,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--plans", nargs="+", default=["hash", "prism-g4", "prism-g4-hash"],
                    choices=["hash", "prism-g4", "prism-g4-hash", "prism-g4-int2refine", "prism-g4-mass0.95"])
     p.add_argument("--sharpness", type=float, default=1.0, help="query scale: the spread of the attention logits")
+    p.add_argument("--dense-in-step", nargs="+", default=[], metavar="JSON",
+                   help="bench/profile_step.py results: dense attention's kernel time per layer inside the compiled step "
+                   "at their shape, for a second ratio")
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes; prints only")
     p.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
                    help="launch constants of sparse_fx.lowering.kernels, read at launch: e.g. select.WIDE_CAP=16 "
@@ -214,6 +224,37 @@ def measure_shape(L: int, B: int, filled: int, a, copy: float) -> dict:
     return row
 
 
+ATTENTION_KERNEL = ("sdpa", "flash", "fmha", "attn", "attention")  # dense attention's kernels, by name
+
+
+def dense_in_step(paths: list[str]) -> dict[tuple[int, int], dict]:
+    """{(context, batch): dense attention in the compiled step} from profile_step results: the
+    `dense-gqa` row's attention kernels (split and combine, if any), us per layer, and the card."""
+    out = {}
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        args = report["meta"]["args"]
+        for row in report["rows"]:
+            if row.get("method") != "dense-gqa" or "kernels" not in row:
+                continue
+            attention = [k for k in row["kernels"] if any(w in k["kernel"].lower() for w in ATTENTION_KERNEL)]
+            if attention:
+                out[(args["context"], args["batch"])] = dict(us=sum(k["us_per_layer"] for k in attention),
+                                                            kernels=[k["kernel"] for k in attention],
+                                                            gpu=report["meta"].get("gpu"), source=str(path))
+    return out
+
+
+def with_dense_in_step(row: dict, plans: list[str], known: dict) -> None:
+    """Each plan's ratio against dense attention inside the compiled step, where a profile has the shape."""
+    step = known.get((row["context"], row["batch"])) if row["filled"] == row["context"] else None
+    if step is None:
+        return
+    row["dense_in_step"] = step
+    for plan in plans:
+        row[plan]["speedup_in_step"] = step["us"] / (row[plan]["ms"] * 1e3)
+
+
 def pick_dense(row: dict) -> None:
     """The row's dense is its fastest SDPA backend (`dense_backend`, `dense_ms`)."""
     row["dense_backend"], row["dense_ms"] = fastest(row["dense_backends_ms"])
@@ -254,8 +295,10 @@ def run_gpu(a) -> dict:
     res["bandwidth_gbps"] = bw = benchlib.bandwidth_gbps()
     res["copy_gbps"] = copy = bw["copy"]
     print(f"# {res['meta']['gpu']}  copy {copy:.0f} GB/s (SM copy, read + written), read {bw['read']:.0f} GB/s", flush=True)
+    known = dense_in_step(a.dense_in_step)
     for L, B, filled in shapes:
         row = median_rows([measure_shape(L, B, filled, a, copy) for _ in range(a.repeat)])
+        with_dense_in_step(row, a.plans, known)
         res["rows"].append(row)
         print(f"L={L:>7} filled={filled:>7} B={B:>2}  dense {row['dense_ms'] * 1e3:7.1f} us ({row['dense_backend']})  "
               + "  ".join(f"{p} {row[p]['ms'] * 1e3:7.1f} us (x{row[p]['speedup']:.2f})" for p in a.plans), flush=True)
@@ -284,6 +327,17 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['context']} | {r['filled']} | {r['batch']} | "
                      + " | ".join(f"{r['dense_backends_ms'][b] * 1e3:.1f}" for b in backends) + " | "
                      + " | ".join(" / ".join(f"{r[p]['speedups'][b]:.2f}" for b in backends) for p in plans) + " |")
+    in_step = [r for r in res["rows"] if "dense_in_step" in r]
+    if in_step:
+        lines += ["", "Against dense attention as it runs inside the compiled decode step (its kernels' us per layer, "
+                  "from bench/profile_step.py; the card it ran on):", "",
+                  "| context | batch | dense in the step | here | card | " + " | ".join(plans) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(plans)]
+        for r in in_step:
+            step = r["dense_in_step"]
+            card = step["gpu"] if step["gpu"] == res["meta"]["gpu"] else f"{step['gpu']} (not this card: not comparable)"
+            lines.append(f"| {r['context']} | {r['batch']} | {step['us']:.1f} us | {r['dense_ms'] * 1e3:.1f} us | {card} | "
+                         + " | ".join(f"{r[p]['speedup_in_step']:.2f}" for p in plans) + " |")
     lines += where_plans_pay(res, plans)
     adaptive = [p for p in plans if "-mass" in p]
     if adaptive:
@@ -369,9 +423,19 @@ def run_smoke(a) -> None:
     benchlib.kernel_times = lambda fn, reps=5: {"_sparse_attn_kernel": (1.0, 1), "_row_select_kernel": (1.0, 1)}
     benchlib.bandwidth_gbps = lambda: dict(copy=1.0, read=1.0)
     a.contexts, a.batches, a.layers, a.short, a.repeat, a.plans = [256], [1], 2, True, 2, list(PLANS)
-    res = run_gpu(a)
+    profile = dict(meta=dict(gpu="cpu", args=dict(context=256, batch=1)), rows=[dict(method="dense-gqa", kernels=[
+        dict(kernel="flash_fwd_splitkv_kernel", us_per_layer=3.0), dict(kernel="flash_fwd_splitkv_combine_kernel",
+                                                                          us_per_layer=1.0),
+        dict(kernel="nvjet_gemm", us_per_layer=50.0)])])
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "profile.json").write_text(json.dumps(profile))
+        a.dense_in_step = [str(Path(tmp) / "profile.json")]
+        res = run_gpu(a)
     md = markdown(res)
     assert all(p in md for p in PLANS) and "Tokens a refined layer chose" in md and "Dense by SDPA backend" in md, md
+    (full,) = [r for r in res["rows"] if r["filled"] == r["context"]]
+    assert full["dense_in_step"]["us"] == 4.0 and "inside the compiled decode step" in md, full.get("dense_in_step")
+    assert all(full[p]["speedup_in_step"] == 4.0 / (full[p]["ms"] * 1e3) for p in PLANS), full
     assert "Where each plan pays" in md, md
     print("smoke ok: every plan's step ran through the kernels; hash_select equals the reference; the report renders "
           "(nothing written)")
