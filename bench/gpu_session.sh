@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step e2e-b4 e2e-b1 e2e-adaptive short compile static-launcher compile-once lossless lossless-b8 workload tests)
+STAGES=(tune step step-in-step e2e-b4 e2e-b1 e2e-adaptive short compile static-launcher compile-once lossless lossless-b8 workload tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -27,6 +27,15 @@ COMMANDS[step]='
     --out "$out" | tail -12
   run python3 bench/kernel_step.py --repeat 2 --contexts 131072 --batches 1 16 --plans prism-g4 prism-g4-mass0.95 \
     --sharpness 3.25 --out "$out" | tail -4'
+
+ABOUT[step-in-step]="~7 min: dense attention's kernels inside the compiled step (bench/profile_step.py, dense-gqa, 8 layers) at 128K x 1 / 4 and 64K x 8, then the kernel table with each plan's ratio against them (kernel_step.py --dense-in-step)"
+COMMANDS[step-in-step]='
+  for shape in 131072x1 131072x4 65536x8; do
+    run python3 bench/profile_step.py --layers 8 --context ${shape%x*} --batch ${shape#*x} --methods dense-gqa \
+      --out "$out/profile-$shape" 2>&1 | tail -2
+  done
+  run python3 bench/kernel_step.py --contexts 131072 65536 --batches 1 4 8 --plans hash prism-g4 \
+    --dense-in-step "$out"/profile-*/profile-step-*.json --out "$out" | tail -12'
 
 ABOUT[e2e-b4]="~8 min: end to end at 128K, batch 4: dense, hash, prism-g4, prism-g4-hash"
 COMMANDS[e2e-b4]='
