@@ -133,8 +133,7 @@ def run_method(model, original_forward, method: str, batch: int, n: int, args) -
                 forward = model.forward
             timed = time_decode(forward, cache, batch, args.steps, args.warmup)
             step, first, phases = timed.step, timed.first, timed.phases
-            row["windows_step_ms"] = [w * 1e3 for w in timed.windows]
-            row["settling_step_ms"] = [w * 1e3 for w in timed.settling]
+            row.update(timed.windows_ms())
             row["compile_s"] = first - step
             # what of the first call torch.compile took (the rest: the first run of the compiled code)
             row["compile_phases_s"] = phases

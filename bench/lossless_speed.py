@@ -120,7 +120,7 @@ def dense_row(model, original, n: int, batch: int, a) -> dict:
         forward = torch.compile(original, mode="reduce-overhead", fullgraph=True)
         timed = time_decode(forward, cache, batch, a.steps, 3)
         row.update(step_ms=timed.step * 1e3, tokens_per_s=batch / timed.step, compile_s=timed.first - timed.step,
-                   windows_step_ms=[w * 1e3 for w in timed.windows], settling_step_ms=[w * 1e3 for w in timed.settling])
+                   **timed.windows_ms())
     except torch.OutOfMemoryError:
         row["error"] = "does not fit in GPU memory"
     finally:

@@ -378,8 +378,7 @@ class _Rounds:
             nxt = torch.where(keep < n, d.gather(1, keep.clamp(max=g - 1)[:, None])[:, 0], fix)
             new = torch.cat([d, d[:, :1]], 1).scatter(1, keep[:, None], nxt[:, None])  # the kept drafts, then nxt
             # a row's slots after its kept tokens are holes its mask hides from now on
-            window = (self.cols >= slot_t) & (self.cols <= slot_t + g)
-            self.valid = torch.where(window, self.cols - slot_t <= keep[:, None], self.valid)
+            self.valid = torch.where(self._round_slots(slot_t, g), self.cols - slot_t <= keep[:, None], self.valid)
             pos = pos + keep + 1
             last = nxt
             slot_t = slot_t + torch.where(live, keep, -1).amax() + 1
@@ -387,9 +386,10 @@ class _Rounds:
             # The next round's first draft reads only device state: launch it before this round's
             # device-to-host read, so the GPU drafts while the host books this round (module docstring)
             begun = None
-            g_next = min(self.owner.chooser.next(), L - (slot + g + 1) - 1)  # slot + g + 1 >= the next slot
-            if g_next >= 1 and self.stateless and self._continues(history, done, g):
-                begun = self._begin(g_next, slot_t, last, pos, history)
+            if self.stateless and self._continues(history, done, g):
+                g_next = min(self.owner.chooser.next(), L - (slot + g + 1) - 1)  # slot + g + 1 >= the next slot
+                if g_next >= 1:
+                    begun = self._begin(g_next, slot_t, last, pos, history)
             outcome = read()
             accepted, kept = [r[0] for r in outcome], [r[1] for r in outcome]
             rows = [b for b in range(B) if not done[b]]
@@ -407,13 +407,17 @@ class _Rounds:
         """Open a round of g drafts at cache slot slot_t (a device scalar) and launch its first draft:
         (g, drafts, their distributions, the round's timer, the compile count before it, the draft)."""
         compiles = len(self.model.forward.state.reports)
-        self.valid = self.valid | ((self.cols >= slot_t) & (self.cols <= slot_t + g))
+        self.valid = self.valid | self._round_slots(slot_t, g)
         self._set_length(slot_t)
         timer = _Timer(self.device)
         self.tokens = last[:, None]
         drafts, qs = [], []
         tok = self._draft(last, pos, history, 0, drafts, qs)
         return g, drafts, qs, timer, compiles, tok
+
+    def _round_slots(self, slot_t: torch.Tensor, g: int) -> torch.Tensor:
+        """[L] bool: the g + 1 cache slots a round at slot slot_t (a device scalar) writes."""
+        return (self.cols >= slot_t) & (self.cols <= slot_t + g)
 
     def _draft(self, tok: torch.Tensor, positions: torch.Tensor, history, i: int, drafts: list, qs: list) -> torch.Tensor:
         """The round's draft i: one step of the sparse graph after token tok [B] (self.tokens' last)."""

@@ -72,6 +72,10 @@ class Decoded(NamedTuple):
     windows: list  # seconds a step in each timed window
     settling: list  # seconds a step in each warm-up window, until two in a row agreed
 
+    def windows_ms(self) -> dict:
+        """The windows for a result row, ms a step: `windows_step_ms` (timed) and `settling_step_ms`."""
+        return dict(windows_step_ms=[w * 1e3 for w in self.windows], settling_step_ms=[w * 1e3 for w in self.settling])
+
 
 def time_decode(forward, cache, batch: int, steps: int, warmup: int, windows: int = 3) -> Decoded:
     """Single-token decode steps on the cache's device (CUDA events there; the wall clock on a CPU):

@@ -471,6 +471,8 @@ def test_decode_timing_warms_up_until_two_windows_agree_and_takes_the_median_of_
     timed = run(lambda window: 3e-3 if window < 1 else 1e-3)
     assert [round(w * 1e3, 6) for w in timed.settling] == [3.0, 1.0, 1.0], timed.settling
     assert timed.step == pytest.approx(1e-3) and len(timed.windows) == 3 and timed.first == pytest.approx(3e-3)
+    assert timed.windows_ms() == dict(windows_step_ms=[w * 1e3 for w in timed.windows],
+                                      settling_step_ms=[w * 1e3 for w in timed.settling])
     timed = run(lambda window: 1e-3 * (1 + window % 2))  # 1, 2, 1, 2 ms ...
     assert len(timed.settling) == llama.MAX_SETTLE and len(timed.windows) == 3
 
