@@ -11,6 +11,7 @@ kernels Inductor defines in its code.
     python bench/compile_time.py --plans prism-g4 --fusion-window 64   # torch's default fusion search
     python bench/compile_time.py --plans dense hash --restart         # cold, then two kinds of restart
     python bench/compile_time.py --plans prism-g4 --restart --static-launcher  # Inductor's static launcher on
+    python bench/compile_time.py --plans dense prism-g4 --profile --out DIR  # cProfile of each first call
     python bench/compile_time.py --one hash --layers 2 --small      # one plan, this process (the worker)
 
 `--restart` adds, per plan, two fresh processes after the cold one: one on the same on-disk caches
@@ -23,8 +24,10 @@ the first decode step, which is what a restarted server waits for beyond loading
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -61,7 +64,7 @@ def _counting():
 
 
 def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None = None,
-                save: str = "", load: str = "", static_launcher: bool = False) -> dict:
+                save: str = "", load: str = "", static_launcher: bool = False, profile: str = "") -> dict:
     import torch
     from torch._dynamo.utils import counters
 
@@ -90,23 +93,41 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     counts = _counting()
     ids = torch.randint(0, model.config.vocab_size, (1, 1), device=dev)
     calls = []
+    profiler = cProfile.Profile() if profile else None
     with torch.no_grad():
         for _ in range(2):
             t0 = time.perf_counter()
-            forward(ids, past_key_values=cache, use_cache=True)
+            if profiler and not calls:
+                profiler.runcall(forward, ids, past_key_values=cache, use_cache=True)
+            else:
+                forward(ids, past_key_values=cache, use_cache=True)
             if dev == "cuda":
                 torch.cuda.synchronize()
             calls.append(time.perf_counter() - t0)
             if not calls[1:]:
                 to_first_step = time.perf_counter() - start
+    if profiler:
+        write_profile(profiler, profile)
     if save:
         open(save, "wb").write(torch.compiler.save_cache_artifacts()[0])
     hits = {f"{k}_{n}": v for k in ("inductor", "aot_autograd") for n, v in counters[k].items()
             if n.startswith(("fxgraph_cache", "autograd_cache"))}
     return {"plan": plan, "layers": layers, "device": dev, "fusion_window": backend.FUSION_PAIR_WINDOW,
-            "static_launcher": static_launcher,
+            "static_launcher": static_launcher, "profiled": bool(profile),
             "compile_s": calls[0] - calls[1], "to_first_step_s": to_first_step, "step_s": calls[1],
             "caches": hits, "phases_s": benchlib.compile_phases(), **counts}
+
+
+PROFILE_NAMES = {"cold": "cold", "warm (same caches)": "restart", "warm (portable artifacts)": "portable"}
+
+
+def write_profile(profiler, path: str) -> None:
+    """The first call's cProfile: the raw stats (`pstats` reads them) and a text summary beside them,
+    by own time and by cumulative time (the phases' callees are what a slow phase is made of)."""
+    profiler.dump_stats(path)
+    with open(path + ".txt", "w") as f:
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(path, stream=f).sort_stats(order).print_stats(60)
 
 
 def run_fresh(plan: str, args, caches: str, start: str = "cold", save: str = "", load: str = "") -> dict:
@@ -116,6 +137,9 @@ def run_fresh(plan: str, args, caches: str, start: str = "cold", save: str = "",
     cmd += ["--fusion-window", str(args.fusion_window)] if args.fusion_window else []
     cmd += ["--static-launcher"] if args.static_launcher else []
     cmd += (["--save", save] if save else []) + (["--load", load] if load else [])
+    if args.profile:
+        os.makedirs(args.out, exist_ok=True)
+        cmd += ["--profile-path", os.path.join(args.out, f"profile-{plan}-{PROFILE_NAMES[start]}-{args.layers}layers.prof")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
@@ -170,13 +194,17 @@ def main() -> None:
                    "kernels in the plan's graph (sparse_fx.backend.STATIC_LAUNCHER; off by default)")
     p.add_argument("--restart", action="store_true", help="after each cold compile, a restart on the same caches "
                    "and one on empty caches from the portable artifacts")
+    p.add_argument("--profile", action="store_true", help="cProfile each process's first call: PROF files and "
+                   "text summaries in the output folder")
     p.add_argument("--one", metavar="PLAN", help="measure one plan in this process and print its row (the worker)")
     p.add_argument("--save", default="", help=argparse.SUPPRESS)  # the worker: write portable artifacts here
     p.add_argument("--load", default="", help=argparse.SUPPRESS)  # the worker: load portable artifacts first
+    p.add_argument("--profile-path", default="", help=argparse.SUPPRESS)  # the worker: write its profile here
     benchlib.add_out(p)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window, a.save, a.load, a.static_launcher)),
+        print(json.dumps(measure_one(a.one, a.layers, a.small, a.fusion_window, a.save, a.load, a.static_launcher,
+                                     a.profile_path)),
               flush=True)
         return
     rows = []

@@ -206,7 +206,7 @@ def kernel_tuning(out):
 
 def compile_time(out):
     return subprocess.run([sys.executable, "bench/compile_time.py", "--plans", "hash", "--layers", "1", "--small",
-                           "--restart", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
+                           "--restart", "--profile", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
 def bandwidth(out):
@@ -315,6 +315,11 @@ def test_compile_time_measures_a_cold_compile_in_a_fresh_process(ran):
         assert warm["caches"].get("inductor_fxgraph_cache_hit") == 1 and warm["scheduler_nodes"] == 0, warm
         assert not warm["caches"].get("inductor_fxgraph_cache_miss"), warm["caches"]
     assert [w["start"] for w in (row, same, portable)] == ["cold", "warm (same caches)", "warm (portable artifacts)"]
+    # --profile: each process's first call, raw stats and a summary that names the compile's entry
+    assert all(w["profiled"] for w in (row, same, portable))
+    for start in ("cold", "restart", "portable"):
+        assert (out / f"profile-hash-{start}-1layers.prof").stat().st_size > 0
+        assert "_compile" in (out / f"profile-hash-{start}-1layers.prof.txt").read_text()
 
 
 def test_the_bandwidth_reference_kernel_reads_and_copies_everything(ran):
