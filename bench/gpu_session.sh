@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step step-in-step e2e-b4 e2e-b1 e2e-adaptive short compile static-launcher compile-once lossless lossless-b8 workload tests)
+STAGES=(tune step step-in-step e2e-b4 e2e-b1 e2e-adaptive short compile compile-profile static-launcher compile-once lossless lossless-b8 workload tests)
 declare -A ABOUT COMMANDS
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
@@ -62,6 +62,10 @@ COMMANDS[short]='
 ABOUT[compile]="~9 min: cold compile time by phase, then a restart on the same caches and one from the portable artifacts (bench/compile_time.py --restart)"
 COMMANDS[compile]='
   run python3 bench/compile_time.py --plans dense hash prism-g4 --layers 32 --restart --out "$out" 2>&1 | tail -12'
+
+ABOUT[compile-profile]="~4 min: cold compiles of dense and prism-g4 (16 layers) under cProfile (bench/compile_time.py --profile): where the excess AOT metadata, scheduling and module load go"
+COMMANDS[compile-profile]='
+  run python3 bench/compile_time.py --plans dense prism-g4 --layers 16 --profile --out "$out" 2>&1 | tail -6'
 
 ABOUT[static-launcher]="~8 min: Inductor's static CUDA launcher on (sparse_fx.backend.STATIC_LAUNCHER): the CUDA-graph tests under it, then prism-g4's cold compile and restarts with it"
 COMMANDS[static-launcher]='
