@@ -111,7 +111,11 @@ def source_hash(root: Path = ROOT) -> str:
 
 
 def _commit() -> str | None:
-    """Short hash of the checkout's HEAD, "+dirty" when a tracked file differs; None without git."""
+    """Short hash of the checkout's HEAD, "+dirty" when a tracked file differs; None without git.
+    SPARSE_FX_COMMIT overrides it, for a copy of the tree whose `.git` is not its own (a device
+    machine's copy can carry a stale one)."""
+    if os.environ.get("SPARSE_FX_COMMIT"):
+        return os.environ["SPARSE_FX_COMMIT"]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True, timeout=10).stdout
