@@ -8,8 +8,14 @@ cd "$(dirname "$0")/.."
 
 # The stages, in session order: name, then what it runs and for how long (the usage text), then its
 # commands, which run in this shell ($out: the output folder; `run`: a command through bench/gpu.sh).
-STAGES=(tune step step-in-step e2e-b4 e2e-b1 e2e-adaptive short compile compile-profile static-launcher compile-once lossless lossless-b8 workload tests)
+STAGES=(first tune step step-in-step e2e-b4 e2e-b1 e2e-adaptive short compile compile-profile static-launcher compile-once lossless lossless-b8 workload tests)
 declare -A ABOUT COMMANDS
+
+ABOUT[first]="~9 min: for a session that may get one call, the CUDA-graph GPU tests of lossless mode and of decode with the static launcher on, the 32-layer prism-g4 cold compile and restarts with it, then dense and prism-g4 cold compiles (8 layers) under cProfile"
+COMMANDS[first]='
+  run python3 -P -c "import sys, pytest, sparse_fx.backend as b; b.STATIC_LAUNCHER = True; sys.exit(pytest.main([\"-q\", \"tests/generate/test_gpu.py\", \"-k\", \"graphs or lossless\"]))" 2>&1 | tail -4
+  run python3 bench/compile_time.py --plans prism-g4 --layers 32 --restart --static-launcher --out "$out" 2>&1 | tail -6
+  run python3 bench/compile_time.py --plans dense prism-g4 --layers 8 --profile --out "$out/profile" 2>&1 | tail -5'
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
 COMMANDS[tune]='
