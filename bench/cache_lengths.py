@@ -47,10 +47,10 @@ def main() -> None:
         sparse_fx.forward.symbolic_length = lambda cache, mask: None
     model = build_model(a.layers)
     original = model.forward
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
     rows = []
     for plan in a.plans:
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()  # what the process holds before this plan's first graph
         model.forward = original
         sparse_fx.compile(model, plan, mode="reduce-overhead", budget=a.budget, min_context=0)
         state = sparse_fx.api.sparse_state(model)
@@ -70,8 +70,6 @@ def main() -> None:
             print(row, flush=True)
         sparse_fx.api.restore(model)
         torch._dynamo.reset()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved()
     report = {"meta": benchlib.header(a), "rows": rows}
     benchlib.save(a.out, "cache-lengths", report, markdown=markdown(report))
     print(markdown(report))

@@ -137,8 +137,7 @@ def run_fresh(plan: str, args, caches: str, start: str = "cold", save: str = "",
     cmd += ["--fusion-window", str(args.fusion_window)] if args.fusion_window else []
     cmd += ["--static-launcher"] if args.static_launcher else []
     cmd += (["--save", save] if save else []) + (["--load", load] if load else [])
-    if args.profile:
-        os.makedirs(args.out, exist_ok=True)
+    if args.profile:  # (--out is created when parsed)
         cmd += ["--profile-path", os.path.join(args.out, f"profile-{plan}-{PROFILE_NAMES[start]}-{args.layers}layers.prof")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
