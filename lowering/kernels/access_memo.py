@@ -3,7 +3,10 @@
 To functionalise and schedule a user-defined Triton kernel, torch lowers the kernel to Triton IR and
 walks it, once when functionalising and once when building Inductor's IR, at every call site. A
 32-layer decode graph calls each of our kernels once a layer, so the same analysis runs ~400 times
-on identical inputs. Its result depends only on the kernel and its arguments' kinds: each tensor's
+on identical inputs. Its result depends only on the kernel and its arguments' kinds: the kernel (a
+launch with launch options such as `num_warps` reaches it as a single-config Autotuner that torch
+makes anew at every call site, so an Autotuner counts as the kernel it wraps and its configs' values),
+each tensor's
 class and dtype (fake tensors and Inductor buffers are replaced by 2-element stand-ins), each
 symbolic size (replaced by 2) and each other argument's value. `install()` memoises it on exactly that key; calls with anything else
 (descriptor metadata, unknown argument kinds) go through unchanged. Pure memoisation of a
@@ -27,9 +30,30 @@ ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
 _SCALARS = (bool, int, float, str, type(None), torch.dtype)
 
 
+def kernel_key(kernel):
+    """The kernel's part of the memo key: the kernel itself, or for an Autotuner the kernel it wraps
+    and every config's values (None where a config has hooks or values of a kind it does not know)."""
+    from triton.runtime.autotuner import Autotuner
+
+    if not isinstance(kernel, Autotuner):
+        return kernel
+    configs = []
+    for config in kernel.configs:
+        if getattr(config, "pre_hook", None) is not None or getattr(config, "ir_override", None) is not None:
+            return None
+        values = config.all_kwargs()
+        if not all(isinstance(v, _SCALARS) for v in values.values()):
+            return None
+        configs.append(tuple(sorted(values.items())))
+    return ("autotuned", kernel.fn, tuple(configs))
+
+
 def argument_key(kernel, kwargs: dict, *rest):
     """The memo key of one analysis call, or None when an argument is of a kind it does not know."""
     if any(r not in (None, {}) for r in rest):
+        return None
+    kernel = kernel_key(kernel)
+    if kernel is None:
         return None
     import sympy
 

@@ -101,3 +101,35 @@ def test_our_kernels_are_analysed_without_their_launch_wait():
         memo("theirs", dict(x=torch.empty(2), PDL=pdl), {})
     assert [(k, kw["PDL"]) for k, kw in calls] == [("ours", 0), ("theirs", 1), ("theirs", 0), ("theirs", 2)]
     assert memo.sparse_fx_hits == 2
+
+
+def test_a_kernel_launched_with_launch_options_hits_at_every_call_site():
+    """torch wraps a kernel launched with num_warps (and kin) in a new single-config Autotuner at every
+    call site: those count as the kernel they wrap with their configs' values, so layer after layer
+    hits; other launch values, another kernel or a config with a hook miss or are not memoised."""
+    import triton
+
+    @triton.jit
+    def kernel(x, n, BLOCK: triton.language.constexpr):
+        pass
+
+    @triton.jit
+    def other(x, n, BLOCK: triton.language.constexpr):
+        pass
+
+    def site(fn, hook=None, **launch):  # as torch builds it at a call site: a new object each time
+        return triton.autotune(configs=[triton.Config({}, pre_hook=hook, **launch)], key=[])(fn)
+
+    analysis, calls = counting(lambda k, kw: ["x"])
+    memo = access_memo.memoised(analysis, only=lambda kernel: True)
+    args = dict(x=torch.empty(2), n=7, BLOCK=64)
+    for _ in range(3):  # three layers
+        assert memo(site(kernel, num_warps=4), dict(args), {}) == ["x"]
+    assert len(calls) == 1 and memo.sparse_fx_hits == 2
+    memo(site(kernel, num_warps=8), dict(args), {})
+    memo(site(kernel, num_warps=4, num_stages=2), dict(args), {})
+    memo(site(other, num_warps=4), dict(args), {})
+    assert len(calls) == 4 and memo.sparse_fx_hits == 2
+    for _ in range(2):
+        memo(site(kernel, hook=lambda nargs: None, num_warps=4), dict(args), {})
+    assert len(calls) == 6 and memo.sparse_fx_hits == 2 and len(memo.sparse_fx_memo) == 4
