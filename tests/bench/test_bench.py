@@ -209,6 +209,11 @@ def compile_time(out):
                            "--restart", "--profile", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
+def trace_as_gpu(out):
+    return subprocess.run([sys.executable, "bench/trace_as_gpu.py", "--plans", "dense", "hash", "--layers", "2", "--repeat",
+                           "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def bandwidth(out):
     code = ("import torch, benchlib; x = torch.randn(70001); y = torch.full_like(x, float('nan')); part = torch.empty(5); "
             "benchlib.stream(x, part, y, block=1024); assert torch.equal(y, x); "
@@ -253,6 +258,7 @@ SLOW = {  # test -> its command, in the order the tests run
     "test_kernel_step_smoke_runs_every_plans_step_through_the_kernels": kernel_step,
     "test_kernel_tuning_smoke_runs_every_sweep_and_check": kernel_tuning,
     "test_compile_time_measures_a_cold_compile_in_a_fresh_process": compile_time,
+    "test_trace_as_gpu_traces_the_kernels_launches_and_analyses_each_kernel_once": trace_as_gpu,
     "test_the_bandwidth_reference_kernel_reads_and_copies_everything": bandwidth,
     "test_decode_tp_smoke_runs_dense_and_every_plan_on_two_ranks": decode_tp,
     "test_prism_pools_runs_and_a_pool_of_every_candidate_keeps_all_mass": prism_pools,
@@ -320,6 +326,22 @@ def test_compile_time_measures_a_cold_compile_in_a_fresh_process(ran):
     for start in ("cold", "restart", "portable"):
         assert (out / f"profile-hash-{start}-1layers.prof").stat().st_size > 0
         assert "_compile" in (out / f"profile-hash-{start}-1layers.prof.txt").read_text()
+
+
+def test_trace_as_gpu_traces_the_kernels_launches_and_analyses_each_kernel_once(ran):
+    """bench/trace_as_gpu.py: AOTAutograd of a two-layer decode graph as a GPU compile traces it, on
+    the CPU. The sparse graph holds our kernels' launches (the Triton path, not the references), and
+    torch's analysis of a kernel runs once, not at every launch of every layer (the memo, whose
+    misses once cost a 16-layer prism-g4 graph 20 s here)."""
+    r, out = ran
+    assert r.returncode == 0, r.stderr[-3000:]
+    dense, sparse = json.loads(next(out.glob("aot-trace-*.json")).read_text())["rows"]
+    assert dense["plan"] == "dense" and dense["kernel_launches"] == dense["analyses_asked"] == 0, dense
+    assert sparse["plan"] == "hash" and sparse["memo"] and sparse["aot_s"] > 0, sparse
+    assert sparse["kernel_launches"] >= 2 * 3 and sparse["aot_nodes"] > dense["aot_nodes"], sparse
+    # asked once a launch when collecting metadata and once when capturing; run for one layer's at most
+    assert sparse["analyses_asked"] == 2 * sparse["kernel_launches"], sparse
+    assert 0 < sparse["analyses_run"] <= sparse["kernel_launches"] // 2, sparse
 
 
 def test_the_bandwidth_reference_kernel_reads_and_copies_everything(ran):
