@@ -13,6 +13,7 @@ caches, as a cold compile does.
     python bench/trace_as_gpu.py --plans dense hash prism-g4 --layers 16
     python bench/trace_as_gpu.py --plans prism-g4 --layers 16 --no-memo       # torch's analysis at every call site
     python bench/trace_as_gpu.py --plans prism-g4 --layers 16 --profile --out DIR
+    python bench/trace_as_gpu.py --plans dense hash --layers 2 --repeat 1 --dump --out DIR  # the traced graphs' code
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def analyses():
                  if hasattr(triton_kernel_wrap, n)), None)
 
 
-def trace_one(plan: str, layers: int, memo: bool, profile: str = "") -> dict:
+def trace_one(plan: str, layers: int, memo: bool, profile: str = "", dump: str = "") -> dict:
     """Dynamo, our rewrite and AOTAutograd of one plan's decode graph; the row."""
     import torch
     import torch._inductor.compile_fx as compile_fx
@@ -128,6 +129,9 @@ def trace_one(plan: str, layers: int, memo: bool, profile: str = "") -> dict:
                 for order in ("tottime", "cumulative"):
                     pstats.Stats(profile, stream=f).sort_stats(order).print_stats(60)
         nodes = graphs[0].graph.nodes
+        if dump:
+            with open(dump, "w") as f:
+                f.write(graphs[0].print_readable(print_output=False))
         row.update(dynamo_nodes=len(gm.graph.nodes), aot_nodes=len(nodes),
                    kernel_launches=sum(1 for n in nodes if "triton_kernel_wrapper" in str(n.target)))
         raise Traced
@@ -204,6 +208,8 @@ def main() -> None:
     p.add_argument("--no-memo", action="store_true", help="torch's kernel analysis at every call site (our memo off)")
     p.add_argument("--profile", action="store_true", help="cProfile each plan's first AOTAutograd: PROF files and "
                    "text summaries in the output folder")
+    p.add_argument("--dump", action="store_true", help="write each plan's traced graph (its readable code) to the "
+                   "output folder")
     p.add_argument("--stem", default="", help="results file name (default: aot-trace-<date>)")
     benchlib.add_out(p)
     a = p.parse_args()
@@ -213,7 +219,8 @@ def main() -> None:
     for plan in a.plans:
         for i in range(a.repeat):
             prof = os.path.join(a.out, f"aot-trace-{plan}-{a.layers}layers.prof") if a.profile and not i else ""
-            rows.append(trace_one(plan, a.layers, not a.no_memo, prof))
+            dump = os.path.join(a.out, f"aot-trace-{plan}-{a.layers}layers.graph.py") if a.dump and not i else ""
+            rows.append(trace_one(plan, a.layers, not a.no_memo, prof, dump))
             print(json.dumps(rows[-1]), flush=True)
     meta = benchlib.header(a)
     rows = summary(rows)
