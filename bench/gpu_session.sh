@@ -11,10 +11,10 @@ cd "$(dirname "$0")/.."
 STAGES=(first tune step step-in-step e2e-b4 e2e-b1 e2e-adaptive short compile compile-profile static-launcher compile-once lossless lossless-b8 workload tests)
 declare -A ABOUT COMMANDS
 
-ABOUT[first]="~10 min: for a session that may get one call, stage static-launcher (the CUDA-graph GPU tests with it on, lossless rounds included; the 32-layer prism-g4 cold compile and restarts) then compile-profile at 8 layers"
+ABOUT[first]="~10 min: for a session that may get one call, stage static-launcher (the CUDA-graph GPU tests with it on, lossless rounds included; the 32-layer dense and prism-g4 cold compiles and restarts) then compile-profile at 4 layers"
 COMMANDS[first]='
   eval "${COMMANDS[static-launcher]}"
-  profile_layers=8 eval "${COMMANDS[compile-profile]}"'
+  profile_layers=4 eval "${COMMANDS[compile-profile]}"'
 
 ABOUT[tune]="~6 min: GPU op tests, then kernel_tuning (INT2 variants, row vs passes) against .scratch/base/oldlowering"
 COMMANDS[tune]='
@@ -73,10 +73,10 @@ COMMANDS[compile-profile]='
   run python3 bench/compile_time.py --plans dense prism-g4 --layers "${profile_layers:-16}" --profile --out "$out/profile" \
     2>&1 | tail -6'
 
-ABOUT[static-launcher]="~8 min: Inductor's static CUDA launcher on (sparse_fx.backend.STATIC_LAUNCHER): the CUDA-graph tests under it, then prism-g4's cold compile and restarts with it"
+ABOUT[static-launcher]="~9 min: Inductor's static CUDA launcher on (sparse_fx.backend.STATIC_LAUNCHER): the CUDA-graph tests under it, then prism-g4's cold compile and restarts with it, dense's beside them"
 COMMANDS[static-launcher]='
   run python3 -P -c "import sys, pytest, sparse_fx.backend as b; b.STATIC_LAUNCHER = True; sys.exit(pytest.main([\"-q\", \"-x\", \"tests/generate/test_gpu.py\", \"-k\", \"inductor or graphs or lossless\"]))" 2>&1 | tail -4
-  run python3 bench/compile_time.py --plans prism-g4 --layers 32 --restart --static-launcher --out "$out" 2>&1 | tail -6'
+  run python3 bench/compile_time.py --plans dense prism-g4 --layers 32 --restart --static-launcher --out "$out" 2>&1 | tail -8'
 
 ABOUT[compile-once]="~8 min: one decode graph for every cache length (bench/cache_lengths.py, hash and prism-g4, batch 1; hash batch 4), the step against graphs with the length fixed at 32K and 128K, and the GPU test of it"
 COMMANDS[compile-once]='
