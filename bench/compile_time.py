@@ -63,6 +63,17 @@ def _counting():
     return counts
 
 
+def _analyses() -> dict:
+    """torch's kernel-access analysis in this process: runs (the memo's entries) and calls the memo
+    answered (`lowering/kernels/access_memo.py`); {} where the memo is not installed."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    fn = getattr(triton_kernel_wrap, "identify_accessed_tensors", None) or getattr(triton_kernel_wrap,
+                                                                                  "identify_mutated_tensors", None)
+    memo = getattr(fn, "sparse_fx_memo", None)
+    return {} if memo is None else {"run": len(memo), "hits": fn.sparse_fx_hits}
+
+
 def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None = None,
                 save: str = "", load: str = "", static_launcher: bool = False, profile: str = "") -> dict:
     import torch
@@ -113,6 +124,7 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
     hits = {f"{k}_{n}": v for k in ("inductor", "aot_autograd") for n, v in counters[k].items()
             if n.startswith(("fxgraph_cache", "autograd_cache"))}
     return {"plan": plan, "layers": layers, "device": dev, "fusion_window": backend.FUSION_PAIR_WINDOW,
+            "kernel_analyses": _analyses(),
             "static_launcher": static_launcher, "profiled": bool(profile),
             "compile_s": calls[0] - calls[1], "to_first_step_s": to_first_step, "step_s": calls[1],
             "caches": hits, "phases_s": benchlib.compile_phases(), **counts}
@@ -163,8 +175,8 @@ def table(rows: list[dict], meta: dict) -> str:
     out = [f"Cold compile of the decode graph, {benchlib.where(meta)}, `{meta['command']}`; seconds "
            "(phases overlap: the scheduler's and codegen's sit inside GraphLowering's caller)", "",
            "| plan | start | layers | fusion window | to first step s | compile s | " + " | ".join(benchlib.COMPILE_PHASES)
-           + " | scheduler nodes | after fusion | fusion pairs | our kernels | graph cache |",
-           "|---|---|---|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 5)]
+           + " | scheduler nodes | after fusion | fusion pairs | our kernels | kernel analyses run / memo hits | graph cache |",
+           "|---|---|---|---|---|---|" + "---|" * (len(benchlib.COMPILE_PHASES) + 6)]
     for r in rows:
         start = r.get("start", "cold")
         if "error" in r:
@@ -176,9 +188,11 @@ def table(rows: list[dict], meta: dict) -> str:
         caches = r.get("caches", {})
         hit = "hit" if caches.get("inductor_fxgraph_cache_hit") and not caches.get("inductor_fxgraph_cache_miss") else "miss"
         first = r.get("to_first_step_s")
+        analysed = r.get("kernel_analyses") or {}
+        analysed = f"{analysed['run']} / {analysed['hits']}" if analysed else "-"
         out.append(f"| {r['plan']} | {start} | {r['layers']} | {window} | {'-' if first is None else f'{first:.1f}'} | "
                    f"{r['compile_s']:.1f} | {ph} | {r['scheduler_nodes']} | {r.get('fused_nodes', '-')} | "
-                   f"{r['fusion_pairs_tried']} | {r['user_kernels_defined']} | {hit} |")
+                   f"{r['fusion_pairs_tried']} | {r['user_kernels_defined']} | {analysed} | {hit} |")
     return "\n".join(out) + "\n"
 
 

@@ -315,6 +315,7 @@ def test_compile_time_measures_a_cold_compile_in_a_fresh_process(ran):
     row, same, portable = json.loads(next(out.glob("compile-*.json")).read_text())["rows"]
     assert "error" not in row, row
     assert row["plan"] == "hash" and row["compile_s"] > 0 and row["scheduler_nodes"] >= row["fused_nodes"] > 0
+    assert isinstance(row["kernel_analyses"], dict), row  # the memo's runs and hits (empty where no kernel compiles)
     assert {"bytecode_tracing", "Scheduler.__init__"} <= set(row["phases_s"]), row["phases_s"]
     assert row["caches"].get("inductor_fxgraph_cache_miss") == 1, row["caches"]
     for warm in (same, portable):
