@@ -1,19 +1,19 @@
 """Compile time: remember Inductor's analysis of which tensors a Triton kernel reads and writes.
 
 To functionalise and schedule a user-defined Triton kernel, torch lowers the kernel to Triton IR and
-walks it, once when functionalising and once when building Inductor's IR, at every call site. A
-32-layer decode graph calls each of our kernels once a layer, so the same analysis runs ~400 times
-on identical inputs. Its result depends only on the kernel and its arguments' kinds: the kernel (a
-launch with launch options such as `num_warps` reaches it as a single-config Autotuner that torch
-makes anew at every call site, so an Autotuner counts as the kernel it wraps and its configs' values),
-each tensor's
-class and dtype (fake tensors and Inductor buffers are replaced by 2-element stand-ins), each
-symbolic size (replaced by 2) and each other argument's value. `install()` memoises it on exactly that key; calls with anything else
-(descriptor metadata, unknown argument kinds) go through unchanged. Pure memoisation of a
-deterministic function of those inputs: results are the same, only computed once. Only our own
-kernels (defined under `sparse_fx`) are memoised; any other kernel's analysis runs as before. Ours
-are analysed without their programmatic-dependent-launch wait (`PDL` 0), which the analysis cannot
-walk (inline assembly) and which touches no memory.
+walks it at every call site: twice in AOTAutograd (collecting metadata, then capturing) and once when
+building Inductor's IR. A 32-layer decode graph calls each of our kernels once a layer, so the same
+analysis runs ~600 times on identical inputs. Its result depends only on the kernel and its
+arguments' kinds: the kernel (a launch with options such as `num_warps` reaches it as a single-config
+Autotuner that torch makes anew at every call site, so an Autotuner counts as the kernel it wraps and
+its configs' values), each tensor's class and dtype (fake tensors and Inductor buffers are replaced by
+2-element stand-ins), each symbolic size (replaced by 2) and each other argument's value. `install()`
+memoises it on exactly that key; calls with anything else (descriptor metadata, unknown argument
+kinds, configs with hooks) go through unchanged. Pure memoisation of a deterministic function of those
+inputs: results are the same, only computed once. Only our own kernels (defined under `sparse_fx`) are
+memoised; any other kernel's analysis runs as before. Ours are analysed without their
+programmatic-dependent-launch wait (`PDL` 0), which the analysis cannot walk (inline assembly) and
+which touches no memory. `bench/trace_as_gpu.py` counts the analyses a graph asks for and runs.
 """
 
 from __future__ import annotations
