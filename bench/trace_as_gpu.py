@@ -65,7 +65,7 @@ def as_gpu():
                 patches.append((module, name, value))
     # the ops choose kernels by `tensor.is_cuda`: the graph's fake tensors answer yes
     patches += [(cls, "is_cuda", property(lambda self: True)) for cls in (FakeTensor, FunctionalTensor)]
-    saved = [(owner, name, owner.__dict__.get(name, getattr(owner, name))) for owner, name, _ in patches]
+    saved = [(owner, name, name in vars(owner), vars(owner).get(name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
     driver.set_active(Driver())
@@ -73,11 +73,11 @@ def as_gpu():
         yield
     finally:
         driver.reset_active() if driver._default is not None else setattr(driver, "_active", None)
-        for owner, name, value in saved:
-            if isinstance(owner, type) and name == "is_cuda":
-                delattr(owner, name)  # back to torch's own (inherited) property
-            else:
+        for owner, name, own, value in saved:
+            if own:
                 setattr(owner, name, value)
+            else:
+                delattr(owner, name)  # inherited before (a tensor class's is_cuda): inherited again
 
 
 def analyses():
