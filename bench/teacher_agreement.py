@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--passkey-sparsity", default="", help="sparsities that get pass keys (default: all of --sparsity)")
     ap.add_argument("--refresh", default="1", help="selections shared across steps: s = 1,2,4,... (a row per plan and s > 1, "
                     "'<plan> refresh=<s>': a step reads the selection of the last step that was a multiple of s, plus its window)")
+    ap.add_argument("--pool-refresh", default="", help="proposals shared across steps: s = 2,4,... (a row per plan with "
+                    "proposal layers and s, '<plan> pool-refresh=<s>': proposal layers share as --refresh does, refined "
+                    "layers re-score the shared pool at every step)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--tag", default="", help="names the outputs agreement-<tag>.* (default: agreement.*)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the cells of these results into --out/agreement-<tag>.*")
@@ -69,13 +72,15 @@ def main() -> None:
     t0 = time.perf_counter()
     sparsities = [int(x) for x in a.sparsity.split(",")]
     refresh = tuple(int(x) for x in a.refresh.split(","))
+    pool_refresh = tuple(int(x) for x in a.pool_refresh.split(",") if x)
     keyed = [int(x) for x in a.passkey_sparsity.split(",")] if a.passkey_sparsity else sparsities
     for n in contexts:
         for sp in sparsities:
-            run = evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True, refresh=refresh)
+            run = evaluate(model, tok, plans, n, sp, a.windows, a.span, progress=True, refresh=refresh,
+                           pool_refresh=pool_refresh)
             if a.passkey_trials and sp in keyed:
                 run["passkey"] = passkey(model, tok, plans, n, sp, [int(d) for d in a.depths.split(",")], a.passkey_trials,
-                                         progress=True, refresh=refresh)
+                                         progress=True, refresh=refresh, pool_refresh=pool_refresh)
             report["runs"].append(run)
             report["seconds"] = time.perf_counter() - t0
             benchlib.save(a.out, stem, report, markdown=markdown(report))  # a run cut short keeps its cells

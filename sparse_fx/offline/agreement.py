@@ -72,16 +72,22 @@ class Selector:
 
     refresh=s (a study for selections shared across decode steps): a position whose step is not a
     multiple of s after the first scored one reads what the last such step selected, plus its own
-    sink and local window (which holds every token since, for s <= local)."""
+    sink and local window (which holds every token since, for s <= local). share="pool" (plans with
+    proposal layers): only the proposal layers share so; the refined layers re-score the shared pool
+    with their own query at every step."""
 
-    def __init__(self, plan: Plan, model, budget: int, refresh: int = 1):
+    def __init__(self, plan: Plan, model, budget: int, refresh: int = 1, share: str = "choice"):
         if not 1 <= refresh <= plan.local:
             raise ValueError(f"refresh must be in 1..local ({plan.local}): a shared selection's local window must hold "
                              f"every token since it was chosen (got {refresh})")
-        self.refresh = refresh
+        if share not in SHARES:
+            raise ValueError(f"share must be one of {', '.join(SHARES)}, got {share!r}")
+        self.refresh, self.share = refresh, share
         # the state `compile` builds (roles, shipped role tables, encoders, checks), on a copy of the
         # model that shares its weights and is never run: `model` is left as it is
         self.state = sparse_state(compile(share_weights_copy(model), plan, budget=budget, backend="eager"))
+        if share == "pool" and "proposal" not in self.state.roles:
+            raise ValueError(f"share='pool' needs a plan with proposal layers (prism); {plan.name} has none")
         self.emit = EagerEmitter()
         self.begin()
 
@@ -99,14 +105,16 @@ class Selector:
         """[B, Hkv, E, T] bool: the keys each of the last E positions reads (q [B, Hq, E, D], k [B, Hkv, T, D])."""
         E, T = q.shape[2], k.shape[2]
         side = self._side_cache(layer, k)
-        step = max(1, ROW_KEYS // T)
+        s = self.refresh
+        step = max(s, max(1, ROW_KEYS // T) // s * s)  # chunks start at multiples of s: a row's sharer is in its chunk
         out = []
         for b in range(k.shape[0]):
             padded = {name: left_pad(t[b], E - 1) for name, t in {"k": k, **side}.items()}
             chunks = [self._rows(layer, q[b, :, lo : lo + step], padded, lo, E, scale, self.carry.setdefault((b, lo), {}))
                       for lo in range(0, E, step)]
             out.append(torch.cat(chunks, 1))
-        return self._shared(torch.stack(out), T)
+        chosen = torch.stack(out)
+        return self._shared(chosen, T) if self.share == "choice" or self.state.role(layer) == "proposal" else chosen
 
     def _shared(self, chosen: torch.Tensor, T: int) -> torch.Tensor:
         """chosen [B, Hkv, E, T] with refresh s: row e takes row e - e % s's choice, and its own sink and window."""
@@ -140,11 +148,26 @@ class Selector:
                     pos=torch.tensor([T - 1], device=dev), start=start.int(), kv=KVShape.of(keys), q_heads=q.shape[0],
                     side=rows, carry=carry)
         idx = self.state.method.select(self.emit, self.state.context, site).indices.long()  # [R, Hkv, K] slots, -1 none
+        if self.share == "pool" and self.refresh > 1 and site.role == "proposal":
+            self._share_pool(carry, lo, R)
         self.chosen += (idx[..., self.state.plan.window :] >= 0).sum()
         self.slots += idx.shape[0] * idx.shape[1]
         position = torch.where(idx >= 0, idx - start[:, None, None], T)  # T: nowhere (dropped below)
         chosen = torch.zeros(*idx.shape[:2], T + 1, dtype=torch.bool, device=dev).scatter_(2, position, True)
         return chosen[..., :T].transpose(0, 1)
+
+
+    def _share_pool(self, carry: dict, lo: int, R: int) -> None:
+        """Row r of rows lo..lo+R-1 takes the pool of row r0 = r - (lo + r) % s, moved into its own slots
+        (row r's slots are row r0's shifted by r0 - r: its left padding is r - r0 shorter)."""
+        layer, pool, own = carry["proposal"]
+        r = torch.arange(R, device=pool.device)
+        r0 = r - (lo + r) % self.refresh
+        shared = torch.where(pool[r0] >= 0, pool[r0] + (r0 - r)[:, None, None].to(pool.dtype), -1)
+        carry["proposal"] = (layer, shared.to(pool.dtype), own)
+
+
+SHARES = ("choice", "pool")
 
 
 def left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -190,10 +213,18 @@ def plans_of(names: list[str], encoders: list[str]) -> dict[str, Plan]:
     return plans
 
 
-def selectors(model, plans: dict, n: int, sparsity: int, refresh: tuple[int, ...] = (1,)) -> dict[str, Selector]:
-    """A Selector per sparse plan at budget n // sparsity, and per refresh s > 1 one named "<plan> refresh=<s>"."""
-    return {name if s == 1 else f"{name} refresh={s}": Selector(p, model, max(1, n // sparsity), refresh=s)
-            for name, p in plans.items() if not p.dense for s in refresh}
+def selectors(model, plans: dict, n: int, sparsity: int, refresh: tuple[int, ...] = (1,),
+              pool_refresh: tuple[int, ...] = ()) -> dict[str, Selector]:
+    """A Selector per sparse plan at budget n // sparsity, per refresh s > 1 one named "<plan> refresh=<s>",
+    and per pool_refresh s one named "<plan> pool-refresh=<s>" for each plan with proposal layers."""
+    budget = max(1, n // sparsity)
+    out = {name if s == 1 else f"{name} refresh={s}": Selector(p, model, budget, refresh=s)
+           for name, p in plans.items() if not p.dense for s in refresh}
+    for name, p in plans.items():
+        if p.dense or not pool_refresh or "proposal" not in (out.get(name) or Selector(p, model, budget)).state.roles:
+            continue
+        out |= {f"{name} pool-refresh={s}": Selector(p, model, budget, refresh=s, share="pool") for s in pool_refresh}
+    return out
 
 
 def forwards(model, ids: torch.Tensor, teacher: TeacherMask, sparse: dict):
@@ -217,13 +248,13 @@ def forwards(model, ids: torch.Tensor, teacher: TeacherMask, sparse: dict):
 
 
 def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span: int, seed: int = 0, progress: bool = False,
-             refresh: tuple[int, ...] = (1,)) -> dict:
+             refresh: tuple[int, ...] = (1,), pool_refresh: tuple[int, ...] = ()) -> dict:
     """One cell: per plan, agreement and CE delta vs dense over `windows` held-out windows' last
     `span` tokens, and the tokens its selections chose by score."""
     device = next(model.parameters()).device
     teacher = TeacherMask(span)
     ids = token_windows(tok, "heldout", n + 1, windows, seed=seed).to(device)
-    sparse = selectors(model, plans, n, sparsity, refresh)
+    sparse = selectors(model, plans, n, sparsity, refresh, pool_refresh)
     rows = {name: {**{m: [] for m in METRICS}, "seconds": 0.0} for name in sparse}
     dense_ce = []
     for w in tqdm(ids, desc=f"context {n}, 1/{sparsity}", disable=not progress):
@@ -252,7 +283,7 @@ def evaluate(model, tok, plans: dict, n: int, sparsity: int, windows: int, span:
 
 
 def passkey(model, tok, plans: dict, n: int, sparsity: int, depths: list[int], trials: int, offset: int = 1,
-            seed: int = 0, progress: bool = False, refresh: tuple[int, ...] = (1,)) -> dict:
+            seed: int = 0, progress: bool = False, refresh: tuple[int, ...] = (1,), pool_refresh: tuple[int, ...] = ()) -> dict:
     """Pass-key retrieval, teacher-forced: the harness's prompts and keys (`harness.passkey_key`), each
     followed by its key's tokens. From the prompt's last `offset` tokens on (the harness decodes those
     sparsely) every position attends to its selection; a plan finds the key when every next-token
@@ -260,7 +291,7 @@ def passkey(model, tok, plans: dict, n: int, sparsity: int, depths: list[int], t
     write the key first (the harness also counts a key written later in its answer). Dense is a row."""
     device = next(model.parameters()).device
     teacher = TeacherMask(1)
-    sparse = selectors(model, plans, n, sparsity, refresh)
+    sparse = selectors(model, plans, n, sparsity, refresh, pool_refresh)
     found = {name: {d: [] for d in depths} for name in ["dense", *sparse]}
     for d in tqdm(depths, desc=f"passkey {n}, 1/{sparsity}", disable=not progress):
         for t in range(trials):

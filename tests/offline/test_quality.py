@@ -245,6 +245,44 @@ def test_a_shared_selection_is_the_last_refresh_steps_choice_plus_the_own_window
         agreement.Selector(plan, model, 16, refresh=local + 1)
 
 
+def test_a_shared_pool_is_re_scored_by_each_steps_refined_layers(smollm2, monkeypatch):
+    """pool-refresh=s: a proposal layer shares its choice as refresh=s does; a refined layer at row e
+    re-scores, with its own query, the pool that row e - e % s's proposal chose (the same tokens,
+    moved into row e's slots), as the decode step does with that pool carried."""
+    model, _ = smollm2
+    T, E, Hq, Hkv, D, s = 300, 40, 9, 3, 64, 3
+    monkeypatch.setattr(agreement, "ROW_KEYS", 16 * T)  # chunks of 15 rows: pools shared within a chunk, never across
+    plan = sparse_fx.Plan.parse("prism-g4", sink=8, local=8)
+    shared, choice, ref = (agreement.Selector(plan, model, 16, refresh=s, share="pool"),
+                           agreement.Selector(plan, model, 16, refresh=s), agreement.Selector(plan, model, 16))
+    P, R = 1, 2  # SmolLM2's shipped roles: layer 1 proposes, layer 2 refines
+    assert [shared.state.role(i) for i in (P, R)] == ["proposal", "refined"]
+    torch.manual_seed(s)
+    (q0, q1), (k0, k1) = (4 * torch.randn(2, 1, Hq, E, D)), torch.randn(2, 1, Hkv, T, D)
+    for sel in (shared, choice, ref):
+        sel.begin()
+    assert torch.equal(shared.mask(P, q0, k0, D**-0.5), choice.mask(P, q0, k0, D**-0.5))
+    got = shared.mask(R, q1, k1, D**-0.5)[0]
+    ref.mask(P, q0, k0, D**-0.5)
+    assert not torch.equal(got, ref.mask(R, q1, k1, D**-0.5)[0])  # sharing the pool changes what refined layers read
+
+    def site(layer, q, k, p, carry):
+        mask = (torch.arange(T) <= p)[None, None, None]
+        return Site(layer=layer, role=ref.state.role(layer), q=q, k=k, v=None, mask=mask, scale=D**-0.5,
+                    pos=torch.tensor([p]), start=first_readable(mask, 1, T), kv=KVShape.of(k), q_heads=Hq,
+                    side=ref._side_cache(layer, k), carry=carry)
+
+    for e in range(E):
+        carry, e0 = {}, e - e % s
+        ref.state.method.select(ref.emit, ref.state.context, site(P, q0[:, :, e0 : e0 + 1], k0, T - E + e0, carry))
+        idx = ref.state.method.select(ref.emit, ref.state.context, site(R, q1[:, :, e : e + 1], k1, T - E + e, carry))
+        idx = idx.indices.long()[0]
+        want = torch.zeros(Hkv, T + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx, T), True)[:, :T]
+        assert torch.equal(got[:, e], want), e
+    with pytest.raises(ValueError, match="proposal layers"):
+        agreement.Selector(sparse_fx.Plan.parse("hash", sink=8, local=8), model, 16, refresh=2, share="pool")
+
+
 @pytest.mark.slow
 def test_one_pass_passkey_equals_the_harness(smollm2, reduced, monkeypatch):
     """sparse_fx.offline.agreement's teacher-forced pass key: a plan finds the key exactly when the
