@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,9 +73,10 @@ class Selector:
 
     refresh=s (a study for selections shared across decode steps): a position whose step is not a
     multiple of s after the first scored one reads what the last such step selected, plus its own
-    sink and local window (which holds every token since, for s <= local). share="pool" (plans with
-    proposal layers): only the proposal layers share so; the refined layers re-score the shared pool
-    with their own query at every step."""
+    sink and local window (which holds every token since, for s <= local). share="pool" (plans whose
+    refined layers re-score a proposal's pool): only the proposals' pools are shared so; between
+    refreshes every layer, a proposal layer too, re-scores the last pool with its own query, as a
+    refined layer does."""
 
     def __init__(self, plan: Plan, model, budget: int, refresh: int = 1, share: str = "choice"):
         if not 1 <= refresh <= plan.local:
@@ -86,8 +88,9 @@ class Selector:
         # the state `compile` builds (roles, shipped role tables, encoders, checks), on a copy of the
         # model that shares its weights and is never run: `model` is left as it is
         self.state = sparse_state(compile(share_weights_copy(model), plan, budget=budget, backend="eager"))
-        if share == "pool" and "proposal" not in self.state.roles:
-            raise ValueError(f"share='pool' needs a plan with proposal layers (prism); {plan.name} has none")
+        if share == "pool" and ("proposal" not in self.state.roles or not getattr(self.state.method, "rescores", False)):
+            raise ValueError(f"share='pool' needs a plan whose refined layers re-score a proposal layer's pool (prism); "
+                             f"{plan.name} has none")
         self.emit = EagerEmitter()
         self.begin()
 
@@ -114,7 +117,7 @@ class Selector:
                       for lo in range(0, E, step)]
             out.append(torch.cat(chunks, 1))
         chosen = torch.stack(out)
-        return self._shared(chosen, T) if self.share == "choice" or self.state.role(layer) == "proposal" else chosen
+        return self._shared(chosen, T) if self.share == "choice" else chosen
 
     def _shared(self, chosen: torch.Tensor, T: int) -> torch.Tensor:
         """chosen [B, Hkv, E, T] with refresh s: row e takes row e - e % s's choice, and its own sink and window."""
@@ -150,6 +153,9 @@ class Selector:
         idx = self.state.method.select(self.emit, self.state.context, site).indices.long()  # [R, Hkv, K] slots, -1 none
         if self.share == "pool" and self.refresh > 1 and site.role == "proposal":
             self._share_pool(carry, lo, R)
+            between = (lo + torch.arange(R, device=dev)) % self.refresh != 0  # rows that are not a refresh step
+            rescored = self.state.method.select(self.emit, self.state.context, replace(site, role="refined")).indices.long()
+            idx = torch.where(between[:, None, None], rescored, idx)
         self.chosen += (idx[..., self.state.plan.window :] >= 0).sum()
         self.slots += idx.shape[0] * idx.shape[1]
         position = torch.where(idx >= 0, idx - start[:, None, None], T)  # T: nowhere (dropped below)

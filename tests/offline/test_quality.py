@@ -8,6 +8,7 @@ one-pass teacher forcing (sparse_fx.offline.agreement) where Prism pools are rea
 """
 
 import copy
+import functools
 import importlib
 import json
 import sys
@@ -245,42 +246,46 @@ def test_a_shared_selection_is_the_last_refresh_steps_choice_plus_the_own_window
         agreement.Selector(plan, model, 16, refresh=local + 1)
 
 
-def test_a_shared_pool_is_re_scored_by_each_steps_refined_layers(smollm2, monkeypatch):
-    """pool-refresh=s: a proposal layer shares its choice as refresh=s does; a refined layer at row e
-    re-scores, with its own query, the pool that row e - e % s's proposal chose (the same tokens,
-    moved into row e's slots), as the decode step does with that pool carried."""
+def test_a_shared_pool_is_re_scored_at_every_step_by_every_layer(smollm2, monkeypatch):
+    """pool-refresh=s: at a refresh step (row e, e % s == 0) a proposal layer chooses as at s = 1; at
+    any other step every layer, the proposal layer too, re-scores with its own query the pool that
+    row e - e % s's proposal chose (the same tokens, moved into row e's slots), as a refined layer's
+    decode step does with that pool carried."""
     model, _ = smollm2
     T, E, Hq, Hkv, D, s = 300, 40, 9, 3, 64, 3
     monkeypatch.setattr(agreement, "ROW_KEYS", 16 * T)  # chunks of 15 rows: pools shared within a chunk, never across
     plan = sparse_fx.Plan.parse("prism-g4", sink=8, local=8)
-    shared, choice, ref = (agreement.Selector(plan, model, 16, refresh=s, share="pool"),
-                           agreement.Selector(plan, model, 16, refresh=s), agreement.Selector(plan, model, 16))
+    shared, ref = agreement.Selector(plan, model, 16, refresh=s, share="pool"), agreement.Selector(plan, model, 16)
     P, R = 1, 2  # SmolLM2's shipped roles: layer 1 proposes, layer 2 refines
     assert [shared.state.role(i) for i in (P, R)] == ["proposal", "refined"]
     torch.manual_seed(s)
     (q0, q1), (k0, k1) = (4 * torch.randn(2, 1, Hq, E, D)), torch.randn(2, 1, Hkv, T, D)
-    for sel in (shared, choice, ref):
-        sel.begin()
-    assert torch.equal(shared.mask(P, q0, k0, D**-0.5), choice.mask(P, q0, k0, D**-0.5))
-    got = shared.mask(R, q1, k1, D**-0.5)[0]
-    ref.mask(P, q0, k0, D**-0.5)
-    assert not torch.equal(got, ref.mask(R, q1, k1, D**-0.5)[0])  # sharing the pool changes what refined layers read
+    shared.begin(), ref.begin()
+    got = [shared.mask(P, q0, k0, D**-0.5)[0], shared.mask(R, q1, k1, D**-0.5)[0]]
+    fresh = [ref.mask(P, q0, k0, D**-0.5)[0], ref.mask(R, q1, k1, D**-0.5)[0]]
+    assert torch.equal(got[0][:, ::s], fresh[0][:, ::s])
+    assert not torch.equal(got[0], fresh[0]) and not torch.equal(got[1], fresh[1])  # sharing changes what layers read
 
-    def site(layer, q, k, p, carry):
+    def site(layer, role, q, k, p, carry):
         mask = (torch.arange(T) <= p)[None, None, None]
-        return Site(layer=layer, role=ref.state.role(layer), q=q, k=k, v=None, mask=mask, scale=D**-0.5,
-                    pos=torch.tensor([p]), start=first_readable(mask, 1, T), kv=KVShape.of(k), q_heads=Hq,
-                    side=ref._side_cache(layer, k), carry=carry)
+        return Site(layer=layer, role=role, q=q, k=k, v=None, mask=mask, scale=D**-0.5, pos=torch.tensor([p]),
+                    start=first_readable(mask, 1, T), kv=KVShape.of(k), q_heads=Hq, side=ref._side_cache(layer, k),
+                    carry=carry)
 
+    def chosen(selection):
+        idx = selection.indices.long()[0]
+        return torch.zeros(Hkv, T + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx, T), True)[:, :T]
+
+    select = functools.partial(ref.state.method.select, ref.emit, ref.state.context)
     for e in range(E):
         carry, e0 = {}, e - e % s
-        ref.state.method.select(ref.emit, ref.state.context, site(P, q0[:, :, e0 : e0 + 1], k0, T - E + e0, carry))
-        idx = ref.state.method.select(ref.emit, ref.state.context, site(R, q1[:, :, e : e + 1], k1, T - E + e, carry))
-        idx = idx.indices.long()[0]
-        want = torch.zeros(Hkv, T + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx, T), True)[:, :T]
-        assert torch.equal(got[:, e], want), e
-    with pytest.raises(ValueError, match="proposal layers"):
-        agreement.Selector(sparse_fx.Plan.parse("hash", sink=8, local=8), model, 16, refresh=2, share="pool")
+        select(site(P, "proposal", q0[:, :, e0 : e0 + 1], k0, T - E + e0, carry))
+        if e % s:
+            assert torch.equal(got[0][:, e], chosen(select(site(P, "refined", q0[:, :, e : e + 1], k0, T - E + e, carry)))), e
+        assert torch.equal(got[1][:, e], chosen(select(site(R, "refined", q1[:, :, e : e + 1], k1, T - E + e, carry)))), e
+    for other in ("hash", "static-g4"):
+        with pytest.raises(ValueError, match="re-score a proposal layer's pool"):
+            agreement.Selector(sparse_fx.Plan.parse(other, sink=8, local=8), model, 16, refresh=2, share="pool")
 
 
 @pytest.mark.slow
