@@ -66,10 +66,7 @@ def _counting():
 def _analyses() -> dict:
     """torch's kernel-access analysis in this process: runs (the memo's entries) and calls the memo
     answered (`lowering/kernels/access_memo.py`); {} where the memo is not installed."""
-    from torch._higher_order_ops import triton_kernel_wrap
-
-    fn = getattr(triton_kernel_wrap, "identify_accessed_tensors", None) or getattr(triton_kernel_wrap,
-                                                                                  "identify_mutated_tensors", None)
+    fn = benchlib.kernel_analysis()
     memo = getattr(fn, "sparse_fx_memo", None)
     return {} if memo is None else {"run": len(memo), "hits": fn.sparse_fx_hits}
 

@@ -80,14 +80,6 @@ def as_gpu():
                 delattr(owner, name)  # inherited before (a tensor class's is_cuda): inherited again
 
 
-def analyses():
-    """torch's kernel-access analysis as installed (our memo around it), or None on a torch without it."""
-    from torch._higher_order_ops import triton_kernel_wrap
-
-    return next((getattr(triton_kernel_wrap, n) for n in ("identify_accessed_tensors", "identify_mutated_tensors")
-                 if hasattr(triton_kernel_wrap, n)), None)
-
-
 def trace_one(plan: str, layers: int, memo: bool, profile: str = "", dump: str = "") -> dict:
     """Dynamo, our rewrite and AOTAutograd of one plan's decode graph; the row."""
     import torch
@@ -99,7 +91,7 @@ def trace_one(plan: str, layers: int, memo: bool, profile: str = "", dump: str =
     from benchlib.llama import build_model, random_static_cache
 
     torch._dynamo.reset()
-    analysis = analyses()
+    analysis = benchlib.kernel_analysis()
     memoised = hasattr(analysis, "sparse_fx_memo")
     if memoised:
         analysis.sparse_fx_memo.clear()

@@ -25,6 +25,16 @@ def compile_phases(since: dict | None = None) -> dict[str, float]:
     return {k: float(sum(spent[k])) - since.get(k, 0.0) for k in COMPILE_PHASES if k in spent}
 
 
+def kernel_analysis():
+    """torch's analysis of which tensors a user-defined Triton kernel reads and writes, as installed
+    (our memo around it once `sparse_fx.lowering.kernels` is imported: `sparse_fx_memo`, `sparse_fx_hits`);
+    None on a torch without it."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    return next((getattr(triton_kernel_wrap, n) for n in ("identify_accessed_tensors", "identify_mutated_tensors")
+                 if hasattr(triton_kernel_wrap, n)), None)
+
+
 def time_graph(fn, target_ms: float = 40.0, windows: int = 5) -> float:
     """Median ms of one fn() call, from replays of a CUDA graph of it (launch gaps as in a
     captured decode step; warm-up and capture on a side stream first)."""
