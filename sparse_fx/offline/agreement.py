@@ -162,7 +162,6 @@ class Selector:
         chosen = torch.zeros(*idx.shape[:2], T + 1, dtype=torch.bool, device=dev).scatter_(2, position, True)
         return chosen[..., :T].transpose(0, 1)
 
-
     def _share_pool(self, carry: dict, lo: int, R: int) -> None:
         """Row r of rows lo..lo+R-1 takes the pool of row r0 = r - (lo + r) % s, moved into its own slots
         (row r's slots are row r0's shifted by r0 - r: its left padding is r - r0 shorter)."""
@@ -222,14 +221,15 @@ def plans_of(names: list[str], encoders: list[str]) -> dict[str, Plan]:
 def selectors(model, plans: dict, n: int, sparsity: int, refresh: tuple[int, ...] = (1,),
               pool_refresh: tuple[int, ...] = ()) -> dict[str, Selector]:
     """A Selector per sparse plan at budget n // sparsity, per refresh s > 1 one named "<plan> refresh=<s>",
-    and per pool_refresh s one named "<plan> pool-refresh=<s>" for each plan with proposal layers."""
+    and per pool_refresh s one named "<plan> pool-refresh=<s>" for each plan whose refined layers re-score
+    a proposal's pool (the others get no such row)."""
     budget = max(1, n // sparsity)
     out = {name if s == 1 else f"{name} refresh={s}": Selector(p, model, budget, refresh=s)
            for name, p in plans.items() if not p.dense for s in refresh}
     for name, p in plans.items():
-        if p.dense or not pool_refresh or "proposal" not in (out.get(name) or Selector(p, model, budget)).state.roles:
-            continue
-        out |= {f"{name} pool-refresh={s}": Selector(p, model, budget, refresh=s, share="pool") for s in pool_refresh}
+        state = None if p.dense or not pool_refresh else (out.get(name) or Selector(p, model, budget)).state
+        if state is not None and "proposal" in state.roles and getattr(state.method, "rescores", False):
+            out |= {f"{name} pool-refresh={s}": Selector(p, model, budget, refresh=s, share="pool") for s in pool_refresh}
     return out
 
 

@@ -286,6 +286,9 @@ def test_a_shared_pool_is_re_scored_at_every_step_by_every_layer(smollm2, monkey
     for other in ("hash", "static-g4"):
         with pytest.raises(ValueError, match="re-score a proposal layer's pool"):
             agreement.Selector(sparse_fx.Plan.parse(other, sink=8, local=8), model, 16, refresh=2, share="pool")
+    plans = {name: sparse_fx.Plan.parse(name, sink=8, local=8) for name in ("hash", "static-g4", "prism-g4")}
+    assert sorted(agreement.selectors(model, plans, 256, 16, pool_refresh=(2,))) == [
+        "hash", "prism-g4", "prism-g4 pool-refresh=2", "static-g4"]
 
 
 @pytest.mark.slow
