@@ -27,7 +27,6 @@ import argparse
 import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -115,7 +114,7 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
             if not calls[1:]:
                 to_first_step = time.perf_counter() - start
     if profiler:
-        write_profile(profiler, profile)
+        benchlib.write_profile(profiler, profile)
     if save:
         open(save, "wb").write(torch.compiler.save_cache_artifacts()[0])
     hits = {f"{k}_{n}": v for k in ("inductor", "aot_autograd") for n, v in counters[k].items()
@@ -128,15 +127,6 @@ def measure_one(plan: str, layers: int, small: bool, fusion_window: int | None =
 
 
 PROFILE_NAMES = {"cold": "cold", "warm (same caches)": "restart", "warm (portable artifacts)": "portable"}
-
-
-def write_profile(profiler, path: str) -> None:
-    """The first call's cProfile: the raw stats (`pstats` reads them) and a text summary beside them,
-    by own time and by cumulative time (the phases' callees are what a slow phase is made of)."""
-    profiler.dump_stats(path)
-    with open(path + ".txt", "w") as f:
-        for order in ("tottime", "cumulative"):
-            pstats.Stats(path, stream=f).sort_stats(order).print_stats(60)
 
 
 def run_fresh(plan: str, args, caches: str, start: str = "cold", save: str = "", load: str = "") -> dict:

@@ -44,9 +44,9 @@ def main() -> None:
     ap.add_argument("--passkey-sparsity", default="", help="sparsities that get pass keys (default: all of --sparsity)")
     ap.add_argument("--refresh", default="1", help="selections shared across steps: s = 1,2,4,... (a row per plan and s > 1, "
                     "'<plan> refresh=<s>': a step reads the selection of the last step that was a multiple of s, plus its window)")
-    ap.add_argument("--pool-refresh", default="", help="proposals shared across steps: s = 2,4,... (a row per plan with "
-                    "proposal layers and s, '<plan> pool-refresh=<s>': proposal layers share as --refresh does, refined "
-                    "layers re-score the shared pool at every step)")
+    ap.add_argument("--pool-refresh", default="", help="proposals shared across steps: s = 2,4,... (a row per plan whose "
+                    "refined layers re-score a proposal's pool, and s, '<plan> pool-refresh=<s>': every s-th step the "
+                    "proposal layers choose their pools; between, every layer re-scores the last pool with its own query)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--tag", default="", help="names the outputs agreement-<tag>.* (default: agreement.*)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine the cells of these results into --out/agreement-<tag>.*")

@@ -23,7 +23,6 @@ import contextlib
 import cProfile
 import json
 import os
-import pstats
 import statistics
 import time
 
@@ -116,10 +115,7 @@ def trace_one(plan: str, layers: int, memo: bool, profile: str = "", dump: str =
             aot_module_simplified(gm, list(example_inputs), fw_compiler=keep)
         row["aot_s"] = time.perf_counter() - t0
         if profiler:
-            profiler.dump_stats(profile)
-            with open(profile + ".txt", "w") as f:
-                for order in ("tottime", "cumulative"):
-                    pstats.Stats(profile, stream=f).sort_stats(order).print_stats(60)
+            benchlib.write_profile(profiler, profile)
         nodes = graphs[0].graph.nodes
         if dump:
             with open(dump, "w") as f:

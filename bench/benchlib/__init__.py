@@ -10,7 +10,7 @@ bench/, is sys.path[0] when it runs); no script imports another script.
   benchlib            (results.py, timing.py) results on disk: add_out, header, where, save, load,
                       source_hash, set_kernel_constant; plots: pyplot, axes, tradeoff, savefig; GPU
                       timing: time_graph, kernel_times, per_kernel, bandwidth_gbps, stream, compile_phases,
-                      kernel_analysis
+                      kernel_analysis, write_profile
   benchlib.layers     random decode layers for the kernel benches (Layers, OPS, DENSE_BACKENDS,
                       fastest) and the bytes a step must read (step_floor_bytes, int2_key_bytes)
   benchlib.llama      the Llama-3.1-8B-shaped model of the end-to-end benches (LLAMA_8B, build_model,
@@ -23,11 +23,11 @@ and `benchlib.llama` import torch (and the ops), and a script imports them after
 from .results import (BENCH, RESULTS, ROOT, add_out, axes, header, load, pyplot, save, savefig, set_kernel_constant,
                       source_hash, tradeoff, where)
 from .timing import (COMPILE_PHASES, bandwidth_gbps, compile_phases, kernel_analysis, kernel_times, per_kernel,
-                     stream, time_graph)
+                     stream, time_graph, write_profile)
 
 __all__ = [
     "BENCH", "RESULTS", "ROOT", "add_out", "axes", "header", "load", "pyplot", "save", "savefig", "set_kernel_constant",
     "source_hash", "tradeoff", "where",
     "COMPILE_PHASES", "bandwidth_gbps", "compile_phases", "kernel_analysis", "kernel_times", "per_kernel", "stream",
-    "time_graph",
+    "time_graph", "write_profile",
 ]

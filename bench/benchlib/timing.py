@@ -25,6 +25,17 @@ def compile_phases(since: dict | None = None) -> dict[str, float]:
     return {k: float(sum(spent[k])) - since.get(k, 0.0) for k in COMPILE_PHASES if k in spent}
 
 
+def write_profile(profiler, path: str) -> None:
+    """A cProfile's raw stats at `path` (`pstats` reads them) and a text summary beside them (`path`.txt),
+    by own time and by cumulative time (a slow phase's callees are what it is made of)."""
+    import pstats
+
+    profiler.dump_stats(path)
+    with open(path + ".txt", "w") as f:
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(path, stream=f).sort_stats(order).print_stats(60)
+
+
 def kernel_analysis():
     """torch's analysis of which tensors a user-defined Triton kernel reads and writes, as installed
     (our memo around it once `sparse_fx.lowering.kernels` is imported: `sparse_fx_memo`, `sparse_fx_hits`);
